@@ -1,0 +1,326 @@
+// Sparse up + down projections over a TwELL-packed activation.
+//
+// One CTA per token row (times an optional split of the output columns). For its row the CTA
+//   1. turns the per-tile counts into offsets (block scan), so entries have a fixed order and the
+//      result is deterministic;
+//   2. gathers the row's active units into a shared-memory list, chunk by chunk: packed tiles give
+//      (unit, g) straight from their slots (one word each: value bits << 16 | column in tile), tiles whose count overflowed the capacity are enumerated
+//      from the dense backup the gate kernel wrote for them (so no entry is ever lost);
+//   3. gated only: one warp per entry computes up = x . W_up[unit] (+ b_up) and h = g * up;
+//   4. accumulates out[d] += h * W_down^T[unit, d] in fp32 over the list, then writes out (+ b_down).
+// Rows of a 128-row block that the dense fallback owns (block_dense != 0) are skipped here.
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+
+namespace twell {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kListCap = 1024;     // active units gathered per chunk
+constexpr int kDecisionRows = 128;  // rows per dense/sparse decision block (matches the Triton kernels)
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+template <typename T>
+__device__ __forceinline__ T bits_to(uint16_t bits) {
+  return *reinterpret_cast<const T*>(&bits);
+}
+
+// VEC consecutive elements loaded as one access (16 bytes for VEC == 8).
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+template <typename T, int VEC>
+__device__ __forceinline__ void load_floats(const T* __restrict__ p, float (&out)[VEC]) {
+  Pack<T, VEC> pk = *reinterpret_cast<const Pack<T, VEC>*>(p);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) out[i] = to_float(pk.v[i]);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ bool is_active(float v) { return v > 0.f || v != v; }  // NaN propagates like eager
+
+// Exclusive prefix sum of the row's per-tile counts into offsets[0..n_tiles]; returns the total.
+__device__ int scan_tile_counts(const int* __restrict__ counts, int n_tiles, int* offsets, int* warp_totals) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int carry = 0;
+  for (int base = 0; base < n_tiles; base += kThreads) {
+    const int t = base + threadIdx.x;
+    const int c = t < n_tiles ? counts[t] : 0;
+    int incl = c;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int n = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += n;
+    }
+    if (lane == 31) warp_totals[warp] = incl;
+    __syncthreads();
+    int warp_prefix = 0, chunk_total = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const int s = warp_totals[w];
+      if (w < warp) warp_prefix += s;
+      chunk_total += s;
+    }
+    if (t < n_tiles) offsets[t] = carry + warp_prefix + incl - c;
+    carry += chunk_total;
+    __syncthreads();  // warp_totals is reused by the next chunk
+  }
+  if (threadIdx.x == 0) offsets[n_tiles] = carry;
+  __syncthreads();
+  return carry;
+}
+
+template <typename T, int VEC, int NV, bool GATED>
+__global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
+    const T* __restrict__ x,            // [M, K] (gated only)
+    const uint32_t* __restrict__ packed,  // [M, n_tiles, cap]: value bits << 16 | column in tile
+    const int* __restrict__ counts,     // [M, n_tiles], true count (may exceed cap)
+    const T* __restrict__ dense,        // [M, F], written only for overflowing (row, tile)
+    const bool* __restrict__ block_dense,  // [ceil(M / 128)]
+    const T* __restrict__ w_up,         // [F, K] (gated only)
+    const T* __restrict__ b_up,         // [F] or null
+    const T* __restrict__ w_down_t,     // [F, D]
+    const T* __restrict__ b_down,       // [D] or null
+    T* __restrict__ out,                // [M, D]
+    int K, int D, int F, int n_tiles, int cap, int tile_n, int cols_per_split) {
+  const int64_t row = blockIdx.x;
+  if (block_dense[row / kDecisionRows]) return;
+
+  extern __shared__ int smem[];
+  int* offsets = smem;                                   // n_tiles + 1
+  int* warp_totals = offsets + n_tiles + 1;              // kWarps
+  int* list_unit = warp_totals + kWarps;                 // kListCap
+  float* list_h = reinterpret_cast<float*>(list_unit + kListCap);  // kListCap
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int total = scan_tile_counts(counts + row * n_tiles, n_tiles, offsets, warp_totals);
+
+  const int col0 = blockIdx.y * cols_per_split;
+  const int col1 = min(D, col0 + cols_per_split);
+  float acc[NV][VEC];
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[j][v] = 0.f;
+
+  const T* x_row = GATED ? x + row * K : nullptr;
+
+  for (int c0 = 0; c0 < total; c0 += kListCap) {
+    const int c1 = min(total, c0 + kListCap);
+    // 2. gather this chunk's entries; a warp per tile.
+    for (int t = warp; t < n_tiles; t += kWarps) {
+      const int o0 = offsets[t], o1 = offsets[t + 1];
+      if (o1 <= c0 || o0 >= c1) continue;
+      const int cnt = o1 - o0;
+      if (cnt <= cap) {
+        const int64_t slot0 = (row * n_tiles + t) * cap;
+        const int j_end = min(cnt, c1 - o0);
+        for (int j = max(c0 - o0, 0) + lane; j < j_end; j += 32) {
+          const uint32_t word = packed[slot0 + j];
+          list_unit[o0 + j - c0] = t * tile_n + static_cast<int>(word & 0xffffu);
+          list_h[o0 + j - c0] = to_float(bits_to<T>(static_cast<uint16_t>(word >> 16)));
+        }
+      } else {
+        const int tile_col0 = t * tile_n;
+        const int width = min(tile_n, F - tile_col0);
+        const T* dense_tile = dense + row * F + tile_col0;
+        int seen = 0;
+        for (int c = 0; c < width; c += 32) {
+          const int col = c + lane;
+          const float v = col < width ? to_float(dense_tile[col]) : 0.f;
+          const bool active = col < width && is_active(v);
+          const unsigned mask = __ballot_sync(0xffffffffu, active);
+          const int e = o0 + seen + __popc(mask & ((1u << lane) - 1u));
+          if (active && e >= c0 && e < c1) {
+            list_unit[e - c0] = tile_col0 + col;
+            list_h[e - c0] = v;
+          }
+          seen += __popc(mask);
+        }
+      }
+    }
+    __syncthreads();
+    const int n = c1 - c0;
+
+    // 3. gated: h = g * (x . W_up[unit] + b_up[unit]); a warp per entry.
+    if constexpr (GATED) {
+      for (int e = warp; e < n; e += kWarps) {
+        const int unit = list_unit[e];
+        const T* w_row = w_up + static_cast<int64_t>(unit) * K;
+        float s = 0.f;
+#pragma unroll 4
+        for (int k = lane * VEC; k < K; k += 32 * VEC) {
+          float xv[VEC], wv[VEC];
+          load_floats<T, VEC>(x_row + k, xv);
+          load_floats<T, VEC>(w_row + k, wv);
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) s = fmaf(xv[v], wv[v], s);
+        }
+        s = warp_sum(s);
+        if (lane == 0) {
+          const float up = s + (b_up != nullptr ? to_float(b_up[unit]) : 0.f);
+          // Eager rounds up(x) to the input dtype before the product; do the same.
+          list_h[e] = list_h[e] * to_float(from_float<T>(up));
+        }
+      }
+      __syncthreads();
+    }
+
+    // 4. out[col] += h * W_down^T[unit, col] over the chunk.
+#pragma unroll 4
+    for (int e = 0; e < n; ++e) {
+      const float h = list_h[e];
+      const T* d_row = w_down_t + static_cast<int64_t>(list_unit[e]) * D;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int col = col0 + (j * kThreads + threadIdx.x) * VEC;
+        if (col < col1) {
+          float wv[VEC];
+          load_floats<T, VEC>(d_row + col, wv);
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) acc[j][v] = fmaf(h, wv[v], acc[j][v]);
+        }
+      }
+    }
+    __syncthreads();  // the next chunk overwrites the list
+  }
+
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int col = col0 + (j * kThreads + threadIdx.x) * VEC;
+    if (col < col1) {
+      Pack<T, VEC> pk;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v)
+        pk.v[v] = from_float<T>(acc[j][v] + (b_down != nullptr ? to_float(b_down[col + v]) : 0.f));
+      *reinterpret_cast<Pack<T, VEC>*>(out + row * D + col) = pk;
+    }
+  }
+}
+
+template <typename T>
+const T* ptr_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? reinterpret_cast<const T*>(t->data_ptr()) : nullptr;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <typename T, int VEC, int NV, bool GATED>
+void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& counts,
+            const at::Tensor& dense, const at::Tensor& block_dense, const c10::optional<at::Tensor>& w_up,
+            const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_t,
+            const c10::optional<at::Tensor>& b_down, at::Tensor& out, int tile_n, int splits) {
+  const int64_t M = out.size(0);
+  const int D = static_cast<int>(out.size(1));
+  const int F = static_cast<int>(w_down_t.size(0));
+  const int K = GATED ? static_cast<int>(x.size(1)) : 0;
+  const int n_tiles = static_cast<int>(counts.size(1));
+  const int cap = static_cast<int>(packed.size(2));
+  int cols_per_split = (D + splits - 1) / splits;
+  cols_per_split = (cols_per_split + VEC - 1) / VEC * VEC;
+  const size_t smem = sizeof(int) * (n_tiles + 1 + kWarps + kListCap) + sizeof(float) * kListCap;
+  auto kernel = sparse_mlp_kernel<T, VEC, NV, GATED>;
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  const dim3 grid(static_cast<unsigned>(M), static_cast<unsigned>(splits));
+  kernel<<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
+      GATED ? reinterpret_cast<const T*>(x.data_ptr()) : nullptr,
+      reinterpret_cast<const uint32_t*>(packed.data_ptr<int>()), counts.data_ptr<int>(), reinterpret_cast<const T*>(dense.data_ptr()),
+      block_dense.data_ptr<bool>(), GATED ? ptr_or_null<T>(w_up) : nullptr, ptr_or_null<T>(b_up),
+      reinterpret_cast<const T*>(w_down_t.data_ptr()), ptr_or_null<T>(b_down), reinterpret_cast<T*>(out.data_ptr()),
+      K, D, F, n_tiles, cap, tile_n, cols_per_split);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Picks the vector width (16-byte accesses when every row is 16-byte aligned) and the number of
+// column groups per thread from the columns one CTA covers.
+template <typename T, bool GATED>
+void dispatch_shape(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& counts,
+                    const at::Tensor& dense, const at::Tensor& block_dense, const c10::optional<at::Tensor>& w_up,
+                    const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_t,
+                    const c10::optional<at::Tensor>& b_down, at::Tensor& out, int tile_n, int splits) {
+  const int64_t D = out.size(1);
+  bool vec8 = D % 8 == 0 && aligned16(w_down_t.data_ptr()) && aligned16(out.data_ptr());
+  if (GATED) vec8 = vec8 && x.size(1) % 8 == 0 && aligned16(x.data_ptr()) && aligned16(w_up->data_ptr());
+  const int64_t cols = (D + splits - 1) / splits;
+  const int vec = vec8 ? 8 : 1;
+  const int64_t groups = (cols + static_cast<int64_t>(kThreads) * vec - 1) / (static_cast<int64_t>(kThreads) * vec);
+  TORCH_CHECK(groups <= 4, "twell: internal error, too many output columns per CTA (", cols, "); raise splits");
+#define TWELL_LAUNCH(V, NVV) launch<T, V, NVV, GATED>(x, packed, counts, dense, block_dense, w_up, b_up, w_down_t, b_down, out, tile_n, splits)
+  if (vec8) {
+    if (groups <= 1) TWELL_LAUNCH(8, 1);
+    else if (groups <= 2) TWELL_LAUNCH(8, 2);
+    else TWELL_LAUNCH(8, 4);
+  } else {
+    if (groups <= 1) TWELL_LAUNCH(1, 1);
+    else if (groups <= 2) TWELL_LAUNCH(1, 2);
+    else TWELL_LAUNCH(1, 4);
+  }
+#undef TWELL_LAUNCH
+}
+
+}  // namespace
+
+// Fills the rows of `out` whose decision block is sparse; see the file comment.
+void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed, const at::Tensor& counts, const at::Tensor& dense, const at::Tensor& block_dense,
+                    const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up,
+                    const at::Tensor& w_down_t, const c10::optional<at::Tensor>& b_down, at::Tensor& out,
+                    int64_t tile_n, int64_t splits) {
+  const bool gated = w_up.has_value();
+  TORCH_CHECK(!gated || x.has_value(), "twell: the gated kernel needs x");
+  TORCH_CHECK(packed.is_cuda() && packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.dim() == 3,
+              "twell: packed must be a contiguous int32 CUDA [M, tiles, cap] tensor");
+  TORCH_CHECK(counts.scalar_type() == at::kInt && counts.is_contiguous() && counts.size(0) == packed.size(0) &&
+              counts.size(1) == packed.size(1), "twell: counts must be int32 [M, tiles]");
+  TORCH_CHECK(block_dense.scalar_type() == at::kBool && block_dense.is_contiguous(), "twell: block_dense must be bool");
+  TORCH_CHECK(w_down_t.is_contiguous() && dense.is_contiguous() && out.is_contiguous(), "twell: w_down_t, dense and out must be contiguous");
+  TORCH_CHECK(dense.size(1) == w_down_t.size(0) && out.size(1) == w_down_t.size(1), "twell: dense/out/w_down_t shapes disagree");
+  TORCH_CHECK(tile_n >= 1 && tile_n <= 256, "twell: tile_n must be in [1, 256]");
+  TORCH_CHECK(splits >= 1 && splits <= 65535, "twell: splits out of range");
+  TORCH_CHECK(packed.size(0) <= 0x7fffffff, "twell: too many rows");
+  if (gated) {
+    TORCH_CHECK(x->is_contiguous() && w_up->is_contiguous() && x->size(1) == w_up->size(1), "twell: x / w_up shapes disagree");
+  }
+  if (out.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  const at::Tensor empty;
+#define TWELL_DTYPE(T)                                                                                              \
+  if (gated) dispatch_shape<T, true>(*x, packed, counts, dense, block_dense, w_up, b_up, w_down_t, b_down, out, \
+                                     static_cast<int>(tile_n), static_cast<int>(splits));                         \
+  else dispatch_shape<T, false>(empty, packed, counts, dense, block_dense, w_up, b_up, w_down_t, b_down, out,    \
+                                static_cast<int>(tile_n), static_cast<int>(splits));
+  if (out.scalar_type() == at::kBFloat16) {
+    TWELL_DTYPE(__nv_bfloat16)
+  } else if (out.scalar_type() == at::kHalf) {
+    TWELL_DTYPE(__half)
+  } else {
+    TORCH_CHECK(false, "twell: the CUDA kernels take bfloat16 or float16, got ", out.scalar_type());
+  }
+#undef TWELL_DTYPE
+}
+
+}  // namespace twell

@@ -1,0 +1,63 @@
+"""Runs the twell graph passes in order, times them and gathers one report (after vLLM's pass manager)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from torch import fx
+
+from .relu_mlp_fusion import ReluMlpFusionPass
+from .report import CandidateBlock, RewriteReport
+
+
+class GraphPass(Protocol):
+    """A pass: mutates the GraphModule in place (recompiling it if changed) and reports its candidates."""
+
+    name: str
+
+    def __call__(self, gm: fx.GraphModule) -> list[CandidateBlock]: ...
+
+
+class TwellPassManager:
+    """The ordered passes the twell backend runs on every graph.
+
+    ``options`` is duck-typed: anything with the boolean attributes of ``TwellOptions`` (``gated``,
+    ``non_gated``, ``debug``), or None for the defaults. With ``debug`` on, the graph is linted after
+    every pass so a broken rewrite is caught at the pass that made it.
+    """
+
+    def __init__(self, options: Any = None, passes: list[GraphPass] | None = None) -> None:
+        self.options = options
+        self.debug = bool(getattr(options, "debug", False))
+        self.passes: list[GraphPass] = list(passes) if passes is not None else self.default_passes(options)
+
+    @staticmethod
+    def default_passes(options: Any) -> list[GraphPass]:
+        return [ReluMlpFusionPass(options)]
+
+    def add_pass(self, graph_pass: GraphPass | Callable[[fx.GraphModule], list[CandidateBlock]]) -> None:
+        self.passes.append(graph_pass)
+
+    def __call__(self, gm: fx.GraphModule) -> RewriteReport:
+        report = RewriteReport(graph_name=type(gm).__name__)
+        start = time.perf_counter()
+        for graph_pass in self.passes:
+            name = getattr(graph_pass, "name", type(graph_pass).__name__)
+            pass_start = time.perf_counter()
+            report.merge(graph_pass(gm))
+            if self.debug:
+                gm.graph.lint()
+            report.pass_times_s[name] = report.pass_times_s.get(name, 0.0) + time.perf_counter() - pass_start
+        report.elapsed_s = time.perf_counter() - start
+        return report
+
+    def __repr__(self) -> str:
+        names = ", ".join(getattr(p, "name", type(p).__name__) for p in self.passes)
+        return f"TwellPassManager([{names}])"
+
+
+def run_passes(gm: fx.GraphModule, options: Any = None) -> RewriteReport:
+    """Runs the default twell passes on ``gm`` (mutated in place and recompiled) and returns the report."""
+    return TwellPassManager(options)(gm)

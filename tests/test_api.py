@@ -1,0 +1,223 @@
+"""The public API besides the backend: ``rewrite``, ``explain`` and ``to_networkx``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+import twell_compile
+from helpers import (
+    GatedMLP,
+    ReluMLP,
+    SiluGatedMLP,
+    Stack,
+    WithGraphBreakModel,
+    capture_dynamo_graphs,
+    twell_targets,
+)
+from twell_compile.graph_export import to_networkx
+
+HIDDEN, INTER = 16, 32
+
+
+def _x(*leading):
+    return torch.randn(*leading, HIDDEN)
+
+
+def _call_targets(gm: fx.GraphModule) -> set[str]:
+    return {str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")}
+
+
+# ---------------------------------------------------------------------------------------------------
+# rewrite
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_rewrite_graph_module_leaves_original_untouched_and_shares_parameters():
+    model = Stack([GatedMLP(HIDDEN, INTER, bias=True), ReluMLP(HIDDEN, INTER)], HIDDEN)
+    traced = fx.symbolic_trace(model)
+    code_before = traced.code
+    nodes_before = len(traced.graph.nodes)
+    x = _x(2, 5)
+
+    rewritten, report = twell_compile.rewrite(traced, x)
+
+    assert (report.gated_count, report.non_gated_count, report.left_alone_count) == (1, 1, 0)
+    assert twell_targets(rewritten) == ["twell.gated_relu_mlp.default", "twell.relu_mlp.default"]
+    # The traced module is as it was ...
+    assert traced.code == code_before and len(traced.graph.nodes) == nodes_before
+    assert twell_targets(traced) == []
+    assert rewritten is not traced and rewritten.graph is not traced.graph
+    # ... and both use the very same parameter tensors (no copies).
+    original_params = dict(traced.named_parameters())
+    for name, param in rewritten.named_parameters():
+        assert param is original_params[name], name
+    with torch.no_grad():
+        model.layers[0].mlp.up_proj.weight.mul_(2.0)  # visible through both modules
+        assert torch.equal(rewritten(x), model(x))
+        assert torch.equal(traced(x), model(x))
+
+
+def test_rewrite_dynamo_graph():
+    model = GatedMLP(HIDDEN, INTER)
+    x = _x(2, 5)
+    (gm,) = capture_dynamo_graphs(model, x)
+    rewritten, report = twell_compile.rewrite(gm)
+    assert report.rewritten_count == 1
+    assert twell_targets(rewritten) == ["twell.gated_relu_mlp.default"]
+    assert twell_targets(gm) == []
+    # Dynamo lifted the weights to inputs: the rewritten graph takes the same arguments, and no
+    # linear, relu or mul of the block is left.
+    placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    assert [n.target for n in rewritten.graph.nodes if n.op == "placeholder"] == placeholders
+    assert not {"torch._C._nn.linear", "torch.nn.functional.relu", "<built-in function mul>"} & {
+        str(t) for t in _call_targets(rewritten)
+    }
+
+
+def test_rewrite_exported_program():
+    model = Stack([GatedMLP(HIDDEN, INTER, bias=True), ReluMLP(HIDDEN, INTER)], HIDDEN).eval()
+    x = _x(2, 5)
+    dynamic = torch.export.Dim.DYNAMIC
+    ep = torch.export.export(model, (x,), dynamic_shapes={"x": {0: dynamic, 1: dynamic}})
+    ep_code = ep.graph_module.code
+
+    rewritten, report = twell_compile.rewrite(ep)
+
+    assert (report.gated_count, report.non_gated_count, report.left_alone_count) == (1, 1, 0)
+    assert twell_targets(rewritten) == ["twell.gated_relu_mlp.default", "twell.relu_mlp.default"]
+    assert ep.graph_module.code == ep_code  # the exported program is not changed
+    with torch.no_grad():
+        torch.testing.assert_close(rewritten(x), model(x), rtol=0, atol=0)
+        x2 = _x(4, 3)
+        torch.testing.assert_close(rewritten(x2), model(x2), rtol=0, atol=0)
+
+
+def test_rewrite_nn_module_with_and_without_example_inputs():
+    model = Stack([GatedMLP(HIDDEN, INTER), GatedMLP(HIDDEN, INTER)], HIDDEN)
+    x = _x(3, 4)
+    for args in [(), (x,)]:
+        rewritten, report = twell_compile.rewrite(model, *args)
+        # The nn.Linear modules carry their weight shapes, so no example input is needed here.
+        assert report.gated_count == 2, args
+        assert twell_targets(rewritten) == ["twell.gated_relu_mlp.default"] * 2
+        with torch.no_grad():
+            assert torch.equal(rewritten(x), model(x))
+    assert not any(isinstance(m, fx.GraphModule) for m in model.modules())  # model itself unchanged
+
+
+def functional_gated_mlp(x, gate_w, up_w, down_w):
+    return F.linear(F.relu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
+
+
+def test_rewrite_needs_shapes_when_weights_are_inputs():
+    # Weights passed as graph inputs: without example inputs nothing proves their shapes agree, so
+    # the block is left alone and the report says why; with example inputs it is rewritten.
+    traced = fx.symbolic_trace(functional_gated_mlp)
+    args = (_x(2, 3), torch.randn(INTER, HIDDEN), torch.randn(INTER, HIDDEN), torch.randn(HIDDEN, INTER))
+
+    unshaped, report = twell_compile.rewrite(traced)
+    assert report.rewritten_count == 0 and report.left_alone_count == 1
+    assert report.reasons[0].startswith("shapes unknown") and "gate_w" in report.reasons[0]
+    assert twell_targets(unshaped) == []
+
+    shaped, report = twell_compile.rewrite(traced, *args)
+    assert report.rewritten_count == 1
+    assert twell_targets(shaped) == ["twell.gated_relu_mlp.default"]
+    assert torch.equal(shaped(*args), functional_gated_mlp(*args))
+
+
+def test_rewrite_options():
+    model = Stack([GatedMLP(HIDDEN, INTER), ReluMLP(HIDDEN, INTER)], HIDDEN)
+    _, report = twell_compile.rewrite(model, options={"gated": False})
+    assert (report.gated_count, report.non_gated_count) == (0, 1)
+    _, report = twell_compile.rewrite(model, options={"non_gated": False})
+    assert (report.gated_count, report.non_gated_count) == (1, 0)
+    with pytest.raises(ValueError, match=r"unknown option 'nongated'\. Did you mean 'non_gated'"):
+        twell_compile.rewrite(model, options={"nongated": False})
+    with pytest.raises(ValueError, match=r"Inductor options \['max_autotune'\] only apply to torch.compile"):
+        twell_compile.rewrite(model, options={"max_autotune": True})
+
+
+def test_rewrite_rejects_other_objects():
+    with pytest.raises(TypeError, match=r"expected an fx.GraphModule, a torch.export.ExportedProgram or an nn.Module, got function"):
+        twell_compile.rewrite(functional_gated_mlp)
+
+
+# ---------------------------------------------------------------------------------------------------
+# explain
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_explain_prints_every_candidate(capsys):
+    model = Stack([GatedMLP(HIDDEN, INTER), SiluGatedMLP(HIDDEN, INTER), ReluMLP(HIDDEN, INTER)], HIDDEN)
+    x = _x(2, 5)
+    weights_before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    result = twell_compile.explain(model, x)
+    printed = capsys.readouterr().out
+
+    assert (result.rewritten, result.left_alone, result.graph_break_count) == (2, 1, 0)
+    assert printed.strip() == str(result).strip()
+    assert "1 graph(s), 0 graph break(s); 2 block(s) rewritten, 1 left alone" in printed
+    # every candidate, with its module, status and reason
+    assert "layers.0.mlp [gated] REWRITTEN" in printed
+    assert "layers.1.mlp [gated] LEFT ALONE" in printed and "silu" in printed.lower()
+    assert "layers.2.mlp [non_gated] REWRITTEN" in printed
+    # before/after code of each rewritten block
+    assert printed.count("before:") == 3 and printed.count("after:") == 2
+    assert "torch.ops.twell.gated_relu_mlp" in printed and "torch.ops.twell.relu_mlp" in printed
+    # per-layer counts
+    assert "layers.0: 1 rewritten, 0 left alone" in printed
+    assert "layers.1: 0 rewritten, 1 left alone" in printed
+    assert "layers.2: 1 rewritten, 0 left alone" in printed
+    # the model is not changed and nothing was compiled into it
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights_before.items())
+    assert not any(isinstance(m, fx.GraphModule) for m in model.modules())
+
+
+def test_explain_counts_graph_breaks_and_can_stay_quiet(capsys):
+    result = twell_compile.explain(WithGraphBreakModel(HIDDEN, INTER), _x(3), print_report=False)
+    assert capsys.readouterr().out == ""
+    assert result.graph_break_count == 1
+    assert len(result.graph_reports) == 2
+    assert [r.rewritten_count for r in result.graph_reports] == [1, 1]
+
+
+def test_explain_graph_module():
+    traced = fx.symbolic_trace(ReluMLP(HIDDEN, INTER))
+    result = twell_compile.explain(traced, _x(2), print_report=False)
+    assert (result.rewritten, result.left_alone) == (1, 0)
+    assert twell_targets(traced) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# to_networkx
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_to_networkx_of_rewritten_dynamo_graph():
+    model = GatedMLP(HIDDEN, INTER, bias=True)
+    (gm,) = capture_dynamo_graphs(model, _x(2, 5))
+    rewritten, _ = twell_compile.rewrite(gm)
+    g = to_networkx(rewritten)
+
+    assert g.number_of_nodes() == len(rewritten.graph.nodes)
+    (twell_node,) = [n for n, attrs in g.nodes(data=True) if attrs["twell"]]
+    attrs = g.nodes[twell_node]
+    assert attrs["op"] == "call_function" and "twell.gated_relu_mlp" in attrs["target"]
+    assert attrs["shape"] == (2, 5, HIDDEN) and attrs["dtype"] == "torch.float32"
+
+    predecessors = set(g.predecessors(twell_node))
+    placeholders = {n for n, a in g.nodes(data=True) if a["op"] == "placeholder"}
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        for param in ("weight", "bias"):
+            (source,) = [p for p in placeholders if proj in p and param in p]
+            assert source in predecessors, f"no edge from {source} to the twell op"
+    # every edge is a data use in the FX graph
+    for node in rewritten.graph.nodes:
+        assert set(g.predecessors(node.name)) == {a.name for a in node.all_input_nodes}
+    # nothing of the old block is left
+    assert not any(a["op"] == "call_function" and "relu" in a["target"] and not a["twell"] for _, a in g.nodes(data=True))

@@ -1,0 +1,193 @@
+"""TwELL CUDA kernels against a float64 reference (``pytest -m cuda``; skipped without a Hopper GPU).
+
+Every case draws fresh random inputs, poisons every output and work buffer first (so unwritten
+elements show as NaN), and requires the bf16/fp16 kernel error to be in line with the error of the
+dense MLP computed by PyTorch in the same dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import twell_compile  # noqa: F401
+from twell_compile import reference
+from twell_compile.testing import make_problem, relative_error
+
+pytestmark = pytest.mark.cuda
+
+
+def _kernels_ready() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from twell_compile.kernels.build import kernels_available
+
+    return kernels_available(torch.device("cuda"))
+
+
+requires_kernels = pytest.mark.skipif(not _kernels_ready(), reason="needs a Hopper GPU with the TwELL kernels built")
+
+
+@contextlib.contextmanager
+def kernel_config(**overrides):
+    from twell_compile.kernels import twell_mlp
+
+    saved = {k: getattr(twell_mlp.config, k) for k in overrides}
+    for k, v in overrides.items():
+        setattr(twell_mlp.config, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(twell_mlp.config, k, v)
+
+
+# Dense-path decision forced one way or the other, and the default (device-side, per 128-row block).
+PATHS = {"sparse": float("inf"), "dense": 0.0, "auto": None}
+
+
+def _run(problem, gated: bool, path: str):
+    density = PATHS[path]
+    overrides = {"poison_buffers": True}
+    if density is not None:
+        overrides["dense_block_density"] = density
+    with kernel_config(**overrides):
+        if gated:
+            out = torch.ops.twell.gated_relu_mlp(*problem.gated_args())
+        else:
+            out = torch.ops.twell.relu_mlp(*problem.non_gated_args())
+    torch.cuda.synchronize()
+    args64 = [None if t is None else t.double() for t in (problem.gated_args() if gated else problem.non_gated_args())]
+    ref64 = (reference.gated_relu_mlp if gated else reference.relu_mlp)(*args64)
+    dense_same_dtype = (reference.gated_relu_mlp if gated else reference.relu_mlp)(
+        *(problem.gated_args() if gated else problem.non_gated_args()))
+    return out, ref64, dense_same_dtype
+
+
+def _check(out, ref64, dense_same_dtype, what: str):
+    assert not out.isnan().any(), f"{what}: NaN in output (unwritten elements or a bad read)"
+    err = relative_error(out, ref64)
+    dense_err = relative_error(dense_same_dtype, ref64)
+    assert err <= 1.5 * dense_err + 1e-4, f"{what}: relative error {err:.2e} vs dense {dense_err:.2e}"
+    return err
+
+
+SHAPES = [
+    (2048, 5632, 2048),  # the paper's 2B shape
+    (257, 1031, 131),  # odd everything: scalar paths and tails
+    (264, 1000, 200),  # multiples of 8 but not of the tiles
+]
+
+
+@requires_kernels
+@pytest.mark.parametrize("m", [1, 7, 255, 256, 4097])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_uniform_sparsity(m, shape, dtype, bias, gated):
+    k, f, d = shape
+    problem = make_problem(m, k, f, d, nnz_per_row=min(24.0, f / 8), gated=gated, bias=bias, dtype=dtype)
+    for path in ("auto", "sparse", "dense"):
+        _check(*_run(problem, gated, path), f"m={m} {shape} {dtype} bias={bias} gated={gated} {path}")
+
+
+ADVERSARIAL = {
+    "one_full_row": dict(nnz_per_row=24.0, dense_rows=(5,)),
+    "first_token_dense": dict(nnz_per_row=24.0, dense_rows=(0,)),
+    "half_dense": dict(nnz_per_row=0.5),  # fraction below, scaled by the intermediate size
+    "every_tile_over_capacity": dict(nnz_per_row=0.45),
+    "skewed": dict(nnz_per_row=40.0, skew=True),
+}
+
+
+@requires_kernels
+@pytest.mark.parametrize("case", sorted(ADVERSARIAL))
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_adversarial_sparsity(case, gated, path):
+    kwargs = dict(ADVERSARIAL[case])
+    k, f, d, m = 2048, 5632, 2048, 1000
+    if kwargs["nnz_per_row"] < 1:
+        kwargs["nnz_per_row"] *= f
+    problem = make_problem(m, k, f, d, gated=gated, bias=True, **kwargs)
+    _check(*_run(problem, gated, path), f"{case} gated={gated} path={path}")
+
+
+@requires_kernels
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_many_tokens(gated):
+    problem = make_problem(131072, 2048, 5632, gated=gated, nnz_per_row=24.0, skew=True)
+    _check(*_run(problem, gated, "auto"), "M=131072 skewed")
+
+
+@requires_kernels
+def test_intermediate_beyond_16_bit_indices():
+    f = 70000
+    problem = make_problem(64, 64, f, 64, nnz_per_row=200.0, skew=True)
+    # make sure units past 65536 are active for some tokens
+    pre = problem.x.float() @ problem.gate_weight.float().t()
+    assert (pre[:, 65536:] > 0).any()
+    for path in ("sparse", "dense"):
+        _check(*_run(problem, True, path), f"F={f} {path}")
+
+
+@requires_kernels
+def test_float32_uses_exact_reference():
+    problem = make_problem(33, 64, 128, dtype=torch.float32, nnz_per_row=8.0)
+    out = torch.ops.twell.gated_relu_mlp(*problem.gated_args())
+    torch.testing.assert_close(out, reference.gated_relu_mlp(*problem.gated_args()))
+
+
+@requires_kernels
+def test_no_aliasing_and_inputs_untouched():
+    problem = make_problem(300, 256, 512, nnz_per_row=16.0, bias=True)
+    before = [t.clone() for t in problem.gated_args()]
+    out = torch.ops.twell.gated_relu_mlp(*problem.gated_args())
+    for a, b in zip(problem.gated_args(), before):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert out.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+
+
+@requires_kernels
+def test_cuda_graph_capture_and_replay():
+    problem = make_problem(512, 2048, 5632, nnz_per_row=24.0, bias=True)
+    args = problem.gated_args()
+    static_x = args[0].clone()
+    torch.ops.twell.gated_relu_mlp(static_x, *args[1:])  # warm-up: build, Triton JIT, weight cache
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = torch.ops.twell.gated_relu_mlp(static_x, *args[1:])
+    for _ in range(2):
+        fresh = make_problem(512, 2048, 5632, nnz_per_row=24.0)
+        static_x.copy_(fresh.x)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = reference.gated_relu_mlp(*[None if t is None else t.double() for t in (static_x, *args[1:])])
+        assert relative_error(static_out, expected) < 1e-2
+
+
+@requires_kernels
+def test_weight_update_invalidates_transposed_cache():
+    problem = make_problem(256, 256, 512, nnz_per_row=16.0)
+    args = list(problem.gated_args())
+    torch.ops.twell.gated_relu_mlp(*args)
+    with torch.no_grad():
+        args[3].mul_(-2.0)  # in-place update of the down weight
+    out = torch.ops.twell.gated_relu_mlp(*args)
+    expected = reference.gated_relu_mlp(*[None if t is None else t.double() for t in args])
+    assert relative_error(out, expected) < 1e-2
+
+
+@requires_kernels
+def test_sparsity_stats_recorded_without_changing_results():
+    problem = make_problem(1024, 2048, 5632, nnz_per_row=24.0, dense_rows=(0,))
+    with twell_compile.record_sparsity() as rec:
+        torch.ops.twell.gated_relu_mlp(*problem.gated_args())
+    (call,) = rec.calls()
+    assert call.rows == 1024 and call.max_nnz_per_row == 5632
+    assert 20 < call.mean_nnz_per_row < 40
+    assert call.overflow_rows >= 1

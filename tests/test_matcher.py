@@ -1,0 +1,688 @@
+"""Tests of the ReLU MLP matcher and rewrite (``twell_compile.passes``) on every graph dialect.
+
+Each test captures a small model as an FX graph (symbolic_trace, Dynamo, torch.export before and after
+``run_decompositions()``, make_fx), runs the passes, and checks the rewrite counts, the reasons of
+blocks left alone, and that the rewritten GraphModule computes what the original did.
+"""
+
+from __future__ import annotations
+
+import operator
+import types
+
+import expecttest
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch._dynamo.utils import counters
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.shape_prop import ShapeProp
+
+# Importing twell_compile (any submodule) registers torch.ops.twell.*.
+from twell_compile.passes import ReluMlpFusionPass, TwellPassManager, run_passes
+from twell_compile.passes.fx_utils import clean_module_path, node_tensor_meta
+from twell_compile.passes.linear_match import match_linear
+
+aten = torch.ops.aten
+TWELL_OPS = (torch.ops.twell.gated_relu_mlp.default, torch.ops.twell.relu_mlp.default)
+D, F_, D_OUT = 8, 16, 12
+
+# ---------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------
+
+ACTIVATIONS = {
+    "nn.ReLU": lambda: nn.ReLU(),
+    "nn.ReLU(inplace)": lambda: nn.ReLU(inplace=True),
+    "F.relu": lambda: F.relu,
+    "F.relu(inplace)": lambda: lambda t: F.relu(t, inplace=True),
+    "torch.relu": lambda: torch.relu,
+    "torch.relu_": lambda: torch.relu_,
+    "Tensor.relu": lambda: lambda t: t.relu(),
+    "Tensor.relu_": lambda: lambda t: t.relu_(),
+    "silu": lambda: nn.SiLU(),
+    "gelu": lambda: F.gelu,
+    "sigmoid": lambda: torch.sigmoid,
+}
+
+MULS = {
+    "operator": operator.mul,
+    "torch.mul": torch.mul,
+    "Tensor.mul": lambda a, b: a.mul(b),
+}
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` in a chosen spelling."""
+
+    def __init__(self, act="nn.ReLU", mul="operator", swap=False, bias=(False, False, False),
+                 functional=False, up_out=F_):
+        super().__init__()
+        self.gate_proj = nn.Linear(D, F_, bias=bias[0])
+        self.up_proj = nn.Linear(D, up_out, bias=bias[1])
+        self.down_proj = nn.Linear(F_, D_OUT, bias=bias[2])
+        self.act = ACTIVATIONS[act]()
+        self.mul = MULS[mul]
+        self.swap = swap
+        self.functional = functional
+
+    def linear(self, layer: nn.Linear, x):
+        return F.linear(x, layer.weight, layer.bias) if self.functional else layer(x)
+
+    def forward(self, x):
+        gated = self.act(self.linear(self.gate_proj, x))
+        up = self.linear(self.up_proj, x)
+        hidden = self.mul(up, gated) if self.swap else self.mul(gated, up)
+        return self.linear(self.down_proj, hidden)
+
+
+class NonGatedMLP(nn.Module):
+    """``down(act(up(x)))``."""
+
+    def __init__(self, act="nn.ReLU", bias=(False, False), functional=False):
+        super().__init__()
+        self.up_proj = nn.Linear(D, F_, bias=bias[0])
+        self.down_proj = nn.Linear(F_, D_OUT, bias=bias[1])
+        self.act = ACTIVATIONS[act]()
+        self.functional = functional
+
+    def forward(self, x):
+        if self.functional:
+            return F.linear(self.act(F.linear(x, self.up_proj.weight, self.up_proj.bias)), self.down_proj.weight)
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class Wrapped(nn.Module):
+    """Puts the block at module path ``mlp`` and adds a residual, as a transformer layer would."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.mlp = mlp
+        self.proj = nn.Linear(D_OUT, D)
+
+    def forward(self, x):
+        return x + self.proj(self.mlp(x))
+
+
+class Custom(nn.Module):
+    """A block given as a function of (module, x), for the near-miss shapes."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.gate_proj = nn.Linear(D, F_)
+        self.up_proj = nn.Linear(D, F_)
+        self.down_proj = nn.Linear(F_, D_OUT)
+        self.dropout = nn.Dropout(0.5)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self, x)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Capture and checks
+# ---------------------------------------------------------------------------------------------------
+
+MODES = ("symbolic", "dynamo", "export", "export_decomposed")
+
+
+def capture(mode: str, model: nn.Module, *args: torch.Tensor) -> tuple[fx.GraphModule, tuple]:
+    """The model's graph in the given dialect, and the inputs to call that graph with."""
+    model.eval()
+    if mode == "symbolic":
+        return fx.symbolic_trace(model), args
+    if mode == "dynamo":
+        graphs = []
+
+        def record(gm, example_inputs):
+            graphs.append((gm, tuple(example_inputs)))
+            return gm.forward
+
+        torch._dynamo.reset()
+        torch.compile(model, backend=record, fullgraph=True)(*args)
+        assert len(graphs) == 1
+        return graphs[0]
+    exported = torch.export.export(model, args)
+    if mode == "export_decomposed":
+        exported = exported.run_decompositions()
+    return exported.module(), args
+
+
+def outputs(gm: fx.GraphModule, inputs: tuple) -> list[torch.Tensor]:
+    with torch.no_grad():
+        out = gm(*inputs)
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def twell_calls(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in TWELL_OPS]
+
+
+def rewrite(gm: fx.GraphModule, inputs: tuple, rewritten: int, options=None, left_alone: int | None = None):
+    """Runs the passes, checks the counts, and that the graph computes what it did before."""
+    expected = outputs(gm, inputs)
+    report = run_passes(gm, options)
+    assert report.rewritten_count == rewritten, str(report)
+    if left_alone is not None:
+        assert report.left_alone_count == left_alone, str(report)
+    assert len(twell_calls(gm)) == rewritten, gm.code
+    for got, want in zip(outputs(gm, inputs), expected, strict=True):
+        torch.testing.assert_close(got, want)
+    return report
+
+
+def assert_left_alone(report, *reason_parts: str, kind: str | None = None) -> None:
+    assert report.rewritten_count == 0, str(report)
+    assert report.left_alone_count >= 1, str(report)
+    reasons = " | ".join(report.reasons)
+    for part in reason_parts:
+        assert part in reasons, str(report)
+    if kind is not None:
+        assert all(c.kind == kind for c in report.left_alone), str(report)
+
+
+def x3d() -> torch.Tensor:
+    return torch.randn(2, 3, D)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Spellings that must be rewritten
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bias", [(False, False, False), (True, True, True)], ids=["no_bias", "bias"])
+def test_gated_every_dialect(mode, bias):
+    gm, inputs = capture(mode, Wrapped(GatedMLP(bias=bias)), x3d())
+    report = rewrite(gm, inputs, rewritten=1, left_alone=0)
+    (candidate,) = report.candidates
+    assert candidate.kind == "gated" and candidate.module_path == "mlp"
+    (call,) = twell_calls(gm)
+    assert call.target is torch.ops.twell.gated_relu_mlp.default
+    assert len(call.args) == 7  # biases passed positionally, None where absent
+    assert (call.args[4] is None) == (not bias[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", [(5, D), (2, 3, D)], ids=["2d", "3d"])
+def test_non_gated_every_dialect(mode, shape):
+    gm, inputs = capture(mode, Wrapped(NonGatedMLP(bias=(True, False))), torch.randn(*shape))
+    report = rewrite(gm, inputs, rewritten=1, left_alone=0)
+    assert report.candidates[0].kind == "non_gated"
+    (call,) = twell_calls(gm)
+    assert call.target is torch.ops.twell.relu_mlp.default
+    assert call.args[3] is not None and call.args[4] is None
+
+
+@pytest.mark.parametrize("mode", ["symbolic", "dynamo"])
+@pytest.mark.parametrize("act", [a for a in ACTIVATIONS if "relu" in a.lower()])
+def test_relu_spellings(mode, act):
+    gm, inputs = capture(mode, GatedMLP(act=act), x3d())
+    rewrite(gm, inputs, rewritten=1)
+
+
+@pytest.mark.parametrize("mode", ["symbolic", "dynamo"])
+@pytest.mark.parametrize("mul", list(MULS))
+@pytest.mark.parametrize("swap", [False, True], ids=["relu_first", "up_first"])
+def test_mul_spellings_either_order(mode, mul, swap):
+    gm, inputs = capture(mode, GatedMLP(mul=mul, swap=swap), x3d())
+    rewrite(gm, inputs, rewritten=1)
+
+
+@pytest.mark.parametrize("bias", [(True, False, False), (False, True, False), (False, False, True)],
+                         ids=["gate_bias", "up_bias", "down_bias"])
+@pytest.mark.parametrize("functional", [False, True], ids=["nn.Linear", "F.linear"])
+def test_bias_on_each_linear(bias, functional):
+    gm, inputs = capture("symbolic", GatedMLP(bias=bias, functional=functional), x3d())
+    rewrite(gm, inputs, rewritten=1)
+    (call,) = twell_calls(gm)
+    assert [a is not None for a in call.args[4:]] == list(bias)
+
+
+@pytest.mark.parametrize("mode", ["symbolic", "dynamo", "export_decomposed"])
+@pytest.mark.parametrize("shape", [(5, D), (2, 2, 3, D)], ids=["2d", "4d"])
+def test_input_ranks(mode, shape):
+    gm, inputs = capture(mode, GatedMLP(bias=(True, False, True)), torch.randn(*shape))
+    rewrite(gm, inputs, rewritten=1)
+
+
+def test_dynamo_autocast_around_block():
+    class Autocast(nn.Module):
+        def __init__(self, inner_only_up: bool):
+            super().__init__()
+            self.mlp = GatedMLP(bias=(True, True, True))
+            self.inner_only_up = inner_only_up
+
+        def forward(self, x):
+            m = self.mlp
+            if self.inner_only_up:  # gate in float32, up in bfloat16: one fused call cannot do both
+                gate = torch.relu(m.gate_proj(x))
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return m.down_proj(gate * m.up_proj(x))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return m(x)
+
+    gm, inputs = capture("dynamo", Autocast(inner_only_up=False), x3d())
+    rewrite(gm, inputs, rewritten=1)
+    assert outputs(gm, inputs)[0].dtype == torch.bfloat16
+    gm, inputs = capture("dynamo", Autocast(inner_only_up=True), x3d())
+    assert_left_alone(rewrite(gm, inputs, rewritten=0), "_enter_autocast")
+
+
+@pytest.mark.parametrize("mode", ["dynamo", "export", "export_decomposed"])
+@pytest.mark.parametrize("act", ["nn.ReLU(inplace)", "Tensor.relu_"])
+def test_inplace_relu_functionalized(mode, act):
+    # After run_decompositions an in-place relu leaves view(view(relu, 2-D), 3-D) round trips.
+    gm, inputs = capture(mode, Wrapped(GatedMLP(act=act, bias=(True, True, True))), x3d())
+    rewrite(gm, inputs, rewritten=1)
+    gm, inputs = capture(mode, Wrapped(NonGatedMLP(act=act)), x3d())
+    rewrite(gm, inputs, rewritten=1)
+
+
+def test_functional_linear_with_module_parameters():
+    # symbolic_trace: F.linear reads get_attr weights, whose shapes come from the module.
+    gm, inputs = capture("symbolic", NonGatedMLP(act="F.relu", functional=True), x3d())
+    assert any(n.op == "get_attr" for n in gm.graph.nodes)
+    rewrite(gm, inputs, rewritten=1)
+
+
+def test_export_dynamic_shapes_decomposed():
+    model = Wrapped(GatedMLP(bias=(True, True, True))).eval()
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    exported = torch.export.export(model, (x3d(),), dynamic_shapes={"x": {0: batch, 1: seq}})
+    gm = exported.run_decompositions().module()
+    rewrite(gm, (torch.randn(4, 5, D),), rewritten=1)
+    dead = [n.name for n in gm.graph.nodes if not n.users and n.op == "call_function"]
+    assert dead == [], dead  # view sizes (sym_size) only the block used are gone too
+    # The rewritten graph still takes other sizes.
+    x = torch.randn(3, 7, D)
+    torch.testing.assert_close(gm(x), model(x))
+
+
+def test_dynamo_dynamic_shapes():
+    model = Wrapped(GatedMLP())
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=record, dynamic=True)(x3d())
+    report = run_passes(graphs[0], None)
+    assert report.rewritten_count == 1, str(report)
+    (call,) = twell_calls(graphs[0])
+    assert isinstance(call.meta["example_value"].shape[0], torch.SymInt)
+
+
+def _make_fx_block(x, wg, bg, wu, wd, bd):
+    """The decomposed spellings by hand: t / transpose / permute, _unsafe_view, mm + add bias."""
+    x2d = aten.view.default(x, [-1, D])
+    gate = aten.add.Tensor(aten.view.default(aten.mm.default(x2d, aten.t.default(wg)), [2, 3, F_]), bg)
+    up = aten._unsafe_view.default(aten.mm.default(aten.view.default(x, [6, D]), aten.transpose.int(wu, 0, 1)),
+                                   [2, 3, F_])
+    hidden = aten.mul.Tensor(up, aten.relu.default(gate))
+    down2d = aten.add.Tensor(bd, aten.mm.default(aten.reshape.default(hidden, [6, F_]),
+                                                 aten.permute.default(wd, [1, 0])))
+    return aten.view.default(down2d, [2, 3, D_OUT])
+
+
+def test_make_fx_decomposed_spellings():
+    args = (x3d(), torch.randn(F_, D), torch.randn(F_), torch.randn(F_, D), torch.randn(D_OUT, F_),
+            torch.randn(D_OUT))
+    gm = make_fx(_make_fx_block)(*args)
+    targets = {n.target for n in gm.graph.nodes}
+    assert {aten.t.default, aten.transpose.int, aten.permute.default, aten._unsafe_view.default} <= targets
+    rewrite(gm, args, rewritten=1)
+    (call,) = twell_calls(gm)
+    assert call.args[4] is not None and call.args[5] is None and call.args[6] is not None
+    assert tuple(call.meta["val"].shape) == (2, 3, D_OUT)
+
+
+def test_bias_add_must_be_a_bias():
+    # A residual added to mm's output is not a bias: the linear stops before it.
+    def block(x, w):
+        return aten.add.Tensor(aten.mm.default(x, aten.t.default(w)), x)
+
+    gm = make_fx(block)(torch.randn(4, D), torch.randn(D, D))
+    add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
+    mm = next(n for n in gm.graph.nodes if n.target is aten.mm.default)
+    assert match_linear(add, gm) is None
+    assert match_linear(mm, gm).bias is None
+
+
+def test_several_blocks_and_module_paths():
+    class Layers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(
+                [Wrapped(GatedMLP()), Wrapped(NonGatedMLP()), Wrapped(GatedMLP(act="silu"))])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    for mode in ("symbolic", "dynamo"):
+        gm, inputs = capture(mode, Layers(), x3d())
+        report = rewrite(gm, inputs, rewritten=2, left_alone=1)
+        assert [c.module_path for c in report.candidates] == ["layers.0.mlp", "layers.1.mlp", "layers.2.mlp"]
+        assert report.per_layer_counts == {
+            "layers.0": {"rewritten": 1, "left_alone": 0},
+            "layers.1": {"rewritten": 1, "left_alone": 0},
+            "layers.2": {"rewritten": 0, "left_alone": 1},
+        }
+        assert report.gated_count == 1 and report.non_gated_count == 1
+
+
+def test_chained_blocks_rewrite_once():
+    # up of the second block is the first block's down: both match, only the first may be rewritten.
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a_up, self.a_down = nn.Linear(D, F_), nn.Linear(F_, D)
+            self.b_down = nn.Linear(D, D)
+
+        def forward(self, x):
+            return self.b_down(torch.relu(self.a_down(torch.relu(self.a_up(x)))))
+
+    gm, inputs = capture("symbolic", Chain(), x3d())
+    report = rewrite(gm, inputs, rewritten=1, left_alone=1)
+    assert "rewritten first" in report.left_alone[0].reason
+
+
+def test_llama_dynamo_graph_is_fast():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=38, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=50, hidden_act="relu")
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 50, (1, 4))
+    gm, inputs = capture("dynamo", model, ids)
+    report = rewrite(gm, inputs, rewritten=38, left_alone=0)
+    assert report.elapsed_s < 1.0, report.elapsed_s
+    assert report.candidates[5].module_path == "model.layers.5.mlp"
+    assert len(report.per_layer_counts) == 38
+    fused = twell_calls(gm)[0]
+    assert fused.meta["stack_trace"]
+    innermost_path, _ = list(fused.meta["nn_module_stack"].values())[-1]
+    assert clean_module_path(innermost_path) == "model.layers.0.mlp"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Near-misses that must be left alone, with a reason
+# ---------------------------------------------------------------------------------------------------
+
+
+def _relu_output_reused(m, x):
+    hidden = torch.relu(m.gate_proj(x))
+    return m.down_proj(hidden * m.up_proj(x)) + hidden.sum()
+
+
+def _product_reused(m, x):
+    product = torch.relu(m.gate_proj(x)) * m.up_proj(x)
+    return m.down_proj(product), product
+
+
+def _gate_output_reused(m, x):
+    gate = m.gate_proj(x)
+    return m.down_proj(torch.relu(gate) * m.up_proj(x)) + gate.mean()
+
+
+def _up_output_reused(m, x):
+    up = m.up_proj(x)
+    return m.down_proj(torch.relu(m.gate_proj(x)) * up) + up.mean()
+
+
+def _different_inputs(m, x):
+    return m.down_proj(torch.relu(m.gate_proj(x)) * m.up_proj(x * 2))
+
+
+def _relu_after_mul(m, x):
+    return m.down_proj(torch.relu(m.gate_proj(x) * m.up_proj(x)))
+
+
+def _dropout_between(m, x):
+    return m.down_proj(m.dropout(torch.relu(m.gate_proj(x))) * m.up_proj(x))
+
+
+def _scale_between(m, x):
+    return m.down_proj(torch.relu(m.gate_proj(x)) * 0.5 * m.up_proj(x))
+
+
+def _op_before_down(m, x):
+    return m.down_proj(torch.relu(m.gate_proj(x)) * m.up_proj(x) + 1.0)
+
+
+def _dropout_before_down(m, x):
+    return m.down_proj(m.dropout(torch.relu(m.up_proj(x))))
+
+
+def _down_elsewhere(m, x):
+    product = torch.relu(m.gate_proj(x)) * m.up_proj(x)
+    return m.down_proj(torch.zeros_like(product)) + product.sum()
+
+
+NEAR_MISSES = {
+    "relu_output_reused": (_relu_output_reused, "the relu output (relu) has another user"),
+    "product_reused": (_product_reused, "the product relu(gate) * up (mul) has another user"),
+    "gate_output_reused": (_gate_output_reused, "the gate projection output (gate_proj) has another user"),
+    "up_output_reused": (_up_output_reused, "the up projection output (up_proj) has another user"),
+    "different_inputs": (_different_inputs, "gate and up read different inputs"),
+    "relu_after_mul": (_relu_after_mul, "relu is applied to the product"),
+    "dropout_between": (_dropout_between, "Dropout (dropout) sits between the relu and the product"),
+    "scale_between": (_scale_between, "operator.mul (mul) sits between the relu and the product"),
+    "op_before_down": (_op_before_down, "sits between the product and the down projection"),
+    "dropout_before_down": (_dropout_before_down, "sits between the relu and the down projection"),
+    "down_elsewhere": (_down_elsewhere, None),
+}
+
+
+@pytest.mark.parametrize("name", list(NEAR_MISSES))
+def test_near_miss_left_alone(name):
+    fn, reason = NEAR_MISSES[name]
+    gm, inputs = capture("symbolic", Custom(fn), x3d())
+    report = rewrite(gm, inputs, rewritten=0)
+    if reason is not None:
+        assert_left_alone(report, reason)
+
+
+@pytest.mark.parametrize("name", ["relu_output_reused", "different_inputs", "scale_between", "relu_after_mul"])
+def test_near_miss_left_alone_dynamo(name):
+    fn, _ = NEAR_MISSES[name]
+    gm, inputs = capture("dynamo", Custom(fn), x3d())
+    report = rewrite(gm, inputs, rewritten=0)
+    assert report.left_alone_count == 1, str(report)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "sigmoid"])
+@pytest.mark.parametrize("mode", ["symbolic", "export", "export_decomposed"])
+def test_other_activations_reported(act, mode):
+    gm, inputs = capture(mode, Wrapped(GatedMLP(act=act)), x3d())
+    report = rewrite(gm, inputs, rewritten=0, left_alone=1)
+    assert_left_alone(report, f"activation is {act}, not relu", kind="gated")
+    gm, inputs = capture(mode, NonGatedMLP(act="gelu"), x3d())
+    report = rewrite(gm, inputs, rewritten=0, left_alone=1)
+    assert_left_alone(report, "activation is gelu, not relu", kind="non_gated")
+
+
+def test_broadcasting_weight_shapes():
+    # up projects to 1 feature: relu(gate) * up broadcasts, which the fused op cannot express.
+    gm, inputs = capture("symbolic", GatedMLP(up_out=1), x3d())
+    report = rewrite(gm, inputs, rewritten=0)
+    assert_left_alone(report, "gate weight [16, 8] and up weight [1, 8] differ")
+
+
+def test_shapes_unknown_without_metadata():
+    def mlp(x, wg, wu, wd):
+        return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+    args = (x3d(), torch.randn(F_, D), torch.randn(F_, D), torch.randn(D_OUT, F_))
+    gm = fx.symbolic_trace(mlp)
+    report = rewrite(gm, args, rewritten=0)
+    assert_left_alone(report, "shapes unknown")
+    # With shape metadata the same graph is rewritten.
+    gm = fx.symbolic_trace(mlp)
+    ShapeProp(gm).propagate(*args)
+    rewrite(gm, args, rewritten=1)
+
+
+def test_mismatched_weight_shapes_from_metadata():
+    def mlp(x, wg, wu, wd):
+        return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+    x = torch.randn(2, 3, D)
+    # [16, 8] gate with a [1, 8] up: broadcasting product.
+    args = (x, torch.randn(F_, D), torch.randn(1, D), torch.randn(D_OUT, F_))
+    gm = fx.symbolic_trace(mlp)
+    ShapeProp(gm).propagate(*args)
+    assert_left_alone(rewrite(gm, args, rewritten=0), "differ")
+
+
+def test_in_place_op_inside_block():
+    def mutate_between(m, x):
+        x = x.clone()
+        gate = m.gate_proj(x)
+        x.mul_(2)  # up reads the doubled x: one fused call could not see both values
+        return m.down_proj(torch.relu(gate) * m.up_proj(x))
+
+    gm, inputs = capture("symbolic", Custom(mutate_between), x3d())
+    report = rewrite(gm, inputs, rewritten=0)
+    assert_left_alone(report, "may modify its inputs")
+
+
+def test_options_disable_each_kind():
+    options = types.SimpleNamespace(gated=False, non_gated=True, debug=True)
+    gm, inputs = capture("symbolic", Wrapped(GatedMLP()), x3d())
+    assert_left_alone(rewrite(gm, inputs, rewritten=0, options=options), "options.gated=False")
+    gm, inputs = capture("symbolic", Wrapped(NonGatedMLP()), x3d())
+    rewrite(gm, inputs, rewritten=1, options=options)
+    options = types.SimpleNamespace(gated=True, non_gated=False, debug=False)
+    gm, inputs = capture("symbolic", Wrapped(NonGatedMLP()), x3d())
+    assert_left_alone(rewrite(gm, inputs, rewritten=0, options=options), "options.non_gated=False")
+
+
+def test_twell_options_object():
+    from twell_compile.options import TwellOptions
+
+    gm, inputs = capture("symbolic", Wrapped(GatedMLP()), x3d())
+    rewrite(gm, inputs, rewritten=0, options=TwellOptions(gated=False))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Metadata, cleanup, counters, pass manager
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_dynamo_meta_and_dead_nodes():
+    gm, inputs = capture("dynamo", Wrapped(GatedMLP(bias=(True, True, True))), x3d())
+    down = next(n for n in gm.graph.nodes if n.name == "linear_2")
+    down_value = down.meta["example_value"]
+    rewrite(gm, inputs, rewritten=1)
+    (call,) = twell_calls(gm)
+    assert call.meta["example_value"] is down_value
+    assert "source_fn_stack" not in call.meta
+    assert [clean_module_path(p) for p, _ in call.meta["nn_module_stack"].values()] == ["mlp"]
+    assert call.meta["stack_trace"] == down.meta["stack_trace"]
+    remaining = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert F.relu not in remaining and operator.mul not in remaining
+
+
+def test_export_decomposed_cleanup_keeps_unrelated_nodes():
+    gm, inputs = capture("export_decomposed", Wrapped(GatedMLP()), x3d())
+    rewrite(gm, inputs, rewritten=1)
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(aten.addmm.default) == 1  # the residual projection's own addmm stays
+    assert aten.mm.default not in targets and aten.relu.default not in targets
+    assert aten.sym_size.int not in targets
+    assert "_guards_fn" in targets  # export's guard call has no users and must survive
+    (call,) = twell_calls(gm)
+    assert tuple(node_tensor_meta(call).shape) == (2, 3, D_OUT)
+
+
+def test_counters():
+    counters.clear()
+    for mlp in (GatedMLP(), NonGatedMLP(), GatedMLP(act="silu")):
+        run_passes(fx.symbolic_trace(Wrapped(mlp)), None)
+    assert dict(counters["twell"]) == {"gated_relu_mlp": 1, "relu_mlp": 1, "left_alone": 1}
+
+
+def test_pass_manager_times_and_reports():
+    manager = TwellPassManager(types.SimpleNamespace(gated=True, non_gated=True, debug=True))
+    assert [p.name for p in manager.passes] == ["relu_mlp_fusion"]
+    report = manager(fx.symbolic_trace(Wrapped(GatedMLP())))
+    assert report.rewritten_count == 1
+    assert set(report.pass_times_s) == {"relu_mlp_fusion"} and report.elapsed_s > 0
+    text = str(report)
+    for part in ("1 rewritten (1 gated, 0 non-gated)", "mlp [gated] REWRITTEN", "before:", "after:",
+                 "torch.ops.twell.gated_relu_mlp.default(x, ", "per layer:", "passes: relu_mlp_fusion"):
+        assert part in text, text
+
+
+def test_pass_is_usable_alone():
+    gm, inputs = capture("symbolic", Wrapped(NonGatedMLP()), x3d())
+    expected = outputs(gm, inputs)
+    candidates = ReluMlpFusionPass()(gm)
+    assert [c.status for c in candidates] == ["rewritten"]
+    torch.testing.assert_close(outputs(gm, inputs), expected)
+
+
+def test_no_candidates_leaves_graph_untouched():
+    model = nn.Sequential(nn.Linear(D, D), nn.LayerNorm(D), nn.Linear(D, D))
+    gm, inputs = capture("symbolic", model, x3d())
+    code = gm.code
+    report = rewrite(gm, inputs, rewritten=0, left_alone=0)
+    assert gm.code == code
+    assert "0 candidate block(s)" in str(report)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Golden printouts
+# ---------------------------------------------------------------------------------------------------
+
+
+class TestGolden(expecttest.TestCase):
+    def test_rewritten_code(self):
+        gm, inputs = capture("symbolic", Wrapped(GatedMLP(bias=(True, False, True))), x3d())
+        rewrite(gm, inputs, rewritten=1)
+        self.assertExpectedInline(gm.code.strip(), """\
+def forward(self, x):
+    mlp_gate_proj_weight = self.mlp.gate_proj.weight
+    mlp_up_proj_weight = self.mlp.up_proj.weight
+    mlp_down_proj_weight = self.mlp.down_proj.weight
+    mlp_gate_proj_bias = self.mlp.gate_proj.bias
+    mlp_down_proj_bias = self.mlp.down_proj.bias
+    gated_relu_mlp = torch.ops.twell.gated_relu_mlp.default(x, mlp_gate_proj_weight, mlp_up_proj_weight, mlp_down_proj_weight, mlp_gate_proj_bias, None, mlp_down_proj_bias);  mlp_gate_proj_weight = mlp_up_proj_weight = mlp_down_proj_weight = mlp_gate_proj_bias = mlp_down_proj_bias = None
+    proj = self.proj(gated_relu_mlp);  gated_relu_mlp = None
+    add = x + proj;  x = proj = None
+    return add""")
+
+    def test_candidate_printout(self):
+        gm, inputs = capture("symbolic", Wrapped(NonGatedMLP(act="torch.relu")), x3d())
+        report = rewrite(gm, inputs, rewritten=1)
+        self.assertExpectedInline(str(report.candidates[0]), """\
+mlp [non_gated] REWRITTEN: down(relu(up(x))) with x = x (nn.Linear)
+  before:
+    mlp_up_proj = self.mlp.up_proj(x)
+    relu = torch.relu(mlp_up_proj)
+    mlp_down_proj = self.mlp.down_proj(relu)
+  after:
+    mlp_up_proj_weight = self.mlp.up_proj.weight
+    mlp_down_proj_weight = self.mlp.down_proj.weight
+    relu_mlp = torch.ops.twell.relu_mlp.default(x, mlp_up_proj_weight, mlp_down_proj_weight, None, None)""")
+
+    def test_near_miss_printout(self):
+        gm, inputs = capture("export_decomposed", Wrapped(Custom(_relu_after_mul)), torch.randn(4, D))
+        report = rewrite(gm, inputs, rewritten=0)
+        self.assertExpectedInline(str(report.candidates[0]), """\
+mlp [gated] LEFT ALONE: relu is applied to the product (down(relu(gate(x) * up(x)))), not to the gate
+  before:
+    permute = torch.ops.aten.permute.default(mlp_gate_proj_weight, [1, 0])
+    addmm = torch.ops.aten.addmm.default(mlp_gate_proj_bias, x, permute)
+    permute_1 = torch.ops.aten.permute.default(mlp_up_proj_weight, [1, 0])
+    addmm_1 = torch.ops.aten.addmm.default(mlp_up_proj_bias, x, permute_1)
+    mul = torch.ops.aten.mul.Tensor(addmm, addmm_1)
+    relu = torch.ops.aten.relu.default(mul)
+    permute_2 = torch.ops.aten.permute.default(mlp_down_proj_weight, [1, 0])
+    addmm_2 = torch.ops.aten.addmm.default(mlp_down_proj_bias, relu, permute_2)""")

@@ -1,0 +1,134 @@
+"""Public entry points besides the backend: ``rewrite`` for FX/exported graphs and ``explain``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import fx
+
+from . import ops  # noqa: F401  (the rewritten graphs call torch.ops.twell.*)
+from .options import TwellOptions, parse_options
+from .passes import run_passes
+from .passes.report import RewriteReport
+
+
+def _twell_options(options: TwellOptions | Mapping[str, Any] | None) -> TwellOptions:
+    if isinstance(options, TwellOptions):
+        return options
+    twell_options, inductor_patches = parse_options(options)
+    if inductor_patches:
+        raise ValueError(f"twell: Inductor options {sorted(inductor_patches)} only apply to torch.compile")
+    return twell_options
+
+
+def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule with its own graph but the same parameters (no weight copies)."""
+    graph = fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    return fx.GraphModule(gm, graph, class_name=gm.__class__.__name__)
+
+
+def _as_graph_module(model: Any, example_inputs: tuple) -> fx.GraphModule:
+    if isinstance(model, torch.export.ExportedProgram):
+        return model.module()
+    if isinstance(model, fx.GraphModule):
+        return _copy_graph_module(model)
+    if isinstance(model, torch.nn.Module):
+        return fx.symbolic_trace(model)
+    raise TypeError(
+        f"twell.rewrite: expected an fx.GraphModule, a torch.export.ExportedProgram or an nn.Module, "
+        f"got {type(model).__name__}"
+    )
+
+
+def _propagate_shapes(gm: fx.GraphModule, example_inputs: tuple) -> None:
+    """Records tensor metadata on every node so the pass can check shapes (fake tensors: no compute)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate(*example_inputs)
+
+
+def rewrite(
+    model: Any,
+    *example_inputs: Any,
+    options: TwellOptions | Mapping[str, Any] | None = None,
+) -> tuple[fx.GraphModule, RewriteReport]:
+    """Rewrites every ReLU MLP block of an FX graph into twell ops.
+
+    ``model`` is an ``fx.GraphModule`` (left untouched: the result is a new module sharing its
+    parameters), a ``torch.export.ExportedProgram`` (its ``.module()`` is rewritten) or an
+    ``nn.Module`` (symbolically traced first). Pass ``example_inputs`` when the graph carries no
+    shape metadata, so the pass can prove the weight shapes agree; blocks whose shapes cannot be
+    known are left alone and the report says so. Returns ``(rewritten_module, report)``.
+    """
+    twell_options = _twell_options(options)
+    gm = _as_graph_module(model, example_inputs)
+    if example_inputs:
+        _propagate_shapes(gm, example_inputs)
+    report = run_passes(gm, twell_options)
+    return gm, report
+
+
+@dataclasses.dataclass
+class ExplainReport:
+    """What ``backend="twell"`` would do to a model: one rewrite report per captured graph."""
+
+    graph_reports: list[RewriteReport]
+    graph_break_count: int
+
+    @property
+    def rewritten(self) -> int:
+        return sum(r.rewritten_count for r in self.graph_reports)
+
+    @property
+    def left_alone(self) -> int:
+        return sum(r.left_alone_count for r in self.graph_reports)
+
+    def __str__(self) -> str:
+        lines = [
+            f"twell explain: {len(self.graph_reports)} graph(s), {self.graph_break_count} graph break(s); "
+            f"{self.rewritten} block(s) rewritten, {self.left_alone} left alone"
+        ]
+        for i, report in enumerate(self.graph_reports):
+            lines.append(f"\n=== graph {i} ===")
+            lines.append(str(report))
+        return "\n".join(lines)
+
+
+def explain(
+    model: Any,
+    *example_inputs: Any,
+    options: TwellOptions | Mapping[str, Any] | None = None,
+    print_report: bool = True,
+) -> ExplainReport:
+    """Reports every candidate ReLU MLP block of ``model`` (rewritten or left alone, and why).
+
+    An ``nn.Module`` is captured with Dynamo on ``example_inputs``, exactly as ``torch.compile``
+    would hand it to the backend; nothing is compiled and the model is not changed. FX graphs and
+    exported programs are analysed directly (their copy is rewritten, not the original).
+    """
+    twell_options = _twell_options(options)
+    if isinstance(model, (fx.GraphModule, torch.export.ExportedProgram)) or not isinstance(model, torch.nn.Module):
+        _, report = rewrite(model, *example_inputs, options=twell_options)
+        result = ExplainReport([report], graph_break_count=0)
+    else:
+        captured: list[RewriteReport] = []
+
+        def analyse(gm: fx.GraphModule, inputs):
+            captured.append(run_passes(_copy_graph_module(gm), twell_options))
+            return gm.forward
+
+        # A fresh compile of the model with a backend that only analyses; the model is run once.
+        compiled = torch.compile(model, backend=analyse)
+        with torch.no_grad():
+            compiled(*example_inputs)
+        result = ExplainReport(captured, graph_break_count=max(len(captured) - 1, 0))
+    if print_report:
+        print(result)
+    return result

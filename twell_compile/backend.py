@@ -1,0 +1,84 @@
+"""``backend="twell"``: run the twell FX passes on the Dynamo graph, then compile it with Inductor.
+
+The rewrite happens before AOTAutograd, so the twell ops' registered autograd gives the backward and
+Inductor still compiles and fuses everything around the ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from . import ops  # noqa: F401  (registers torch.ops.twell.* before any graph uses them)
+from .options import parse_options
+from .passes import run_passes
+from .passes.report import RewriteReport
+
+_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+# Reports of the graphs compiled in this process, newest last (see ``last_reports``), with the Dynamo
+# compile id of each: a restarted analysis of the same frame calls the backend again under the same id,
+# and its report replaces the earlier attempt's instead of counting the graph twice.
+_REPORTS: list[RewriteReport] = []
+_REPORT_IDS: list[object] = []
+_MAX_REPORTS = 256
+
+
+def _record(report: RewriteReport) -> None:
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    if compile_id is not None and _REPORT_IDS and _REPORT_IDS[-1] == compile_id:
+        _REPORTS[-1] = report
+    else:
+        _REPORTS.append(report)
+        _REPORT_IDS.append(compile_id)
+    del _REPORTS[:-_MAX_REPORTS]
+    del _REPORT_IDS[:-_MAX_REPORTS]
+
+
+def _mode_config_patches(mode: str | None) -> dict[str, Any]:
+    """The Inductor settings a mode stands for (``reduce-overhead`` means CUDA graphs)."""
+    if mode is None or mode == "default":
+        return {}
+    if mode not in _MODES:
+        raise ValueError(f"twell: unknown mode {mode!r}; expected one of {', '.join(_MODES)}")
+    import torch._inductor
+
+    return dict(torch._inductor.list_mode_options(mode))
+
+
+def twell_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    mode: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    **unexpected: Any,
+) -> Callable[..., Any]:
+    """A ``torch.compile`` backend: ``torch.compile(model, backend="twell", mode=..., options=...)``."""
+    if unexpected:
+        raise TypeError(f"twell: unexpected backend arguments {sorted(unexpected)}; accepted are mode and options")
+    twell_options, inductor_patches = parse_options(options)
+    config_patches = {**_mode_config_patches(mode), **inductor_patches}
+
+    report = run_passes(gm, twell_options)
+    _record(report)
+    if twell_options.debug:
+        print(report)
+
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+def last_reports() -> list[RewriteReport]:
+    """Rewrite reports of the graphs ``backend="twell"`` compiled in this process, oldest first."""
+    return list(_REPORTS)
+
+
+def clear_reports() -> None:
+    _REPORTS.clear()
+    _REPORT_IDS.clear()

@@ -1,0 +1,51 @@
+"""Device kernels behind the twell ops.
+
+``ops.py`` calls ``cuda_gated_relu_mlp`` / ``cuda_relu_mlp`` for CUDA tensors. bfloat16 and float16
+inputs run the TwELL kernels (``twell_mlp.py``: Triton gate GEMM with packing epilogue, CUDA sparse
+up/down from ``csrc/``) on Hopper; float32/float64 inputs, and GPUs or machines where the kernels
+cannot run (reported once as a warning), use the plain-PyTorch reference on the same device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import reference, stats
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _use_kernels(x: Tensor) -> bool:
+    if x.dtype not in _KERNEL_DTYPES:
+        return False
+    from .build import kernels_available
+
+    return kernels_available(x.device)
+
+
+def record_reference_stats(op: str, pre_activation: Tensor) -> None:
+    recorder = stats.active_recorder()
+    if recorder is not None:
+        active = (pre_activation > 0) | pre_activation.isnan()
+        recorder.add(op, active.reshape(-1, active.shape[-1]).sum(1), active.shape[-1])
+
+
+def cuda_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) -> Tensor:
+    if _use_kernels(x):
+        from .twell_mlp import twell_mlp
+
+        return twell_mlp(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
+    if stats.active_recorder() is not None:
+        record_reference_stats("gated_relu_mlp", torch.nn.functional.linear(x, gate_weight, gate_bias))
+    return reference.gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias).contiguous()
+
+
+def cuda_relu_mlp(x, up_weight, down_weight, up_bias, down_bias) -> Tensor:
+    if _use_kernels(x):
+        from .twell_mlp import twell_mlp
+
+        return twell_mlp(x, up_weight, up_bias, None, None, down_weight, down_bias)
+    if stats.active_recorder() is not None:
+        record_reference_stats("relu_mlp", torch.nn.functional.linear(x, up_weight, up_bias))
+    return reference.relu_mlp(x, up_weight, down_weight, up_bias, down_bias).contiguous()

@@ -1,0 +1,97 @@
+"""Builds the CUDA extension from ``csrc/`` with ninja on first use, and says when kernels can run.
+
+The build is cached per source hash under ``$TWELL_CACHE_DIR`` (default ``~/.cache/twell_compile``), so
+it happens once per machine and version. Anything that keeps the kernels from running (no CUDA GPU,
+not a Hopper GPU, no nvcc, no Triton, a failed build) is reported once, as a warning, and the ops fall
+back to the reference implementation instead of failing.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCES = ("twell_ext.cpp", "twell_sparse_mlp.cu")
+_NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-gencode=arch=compute_90a,code=sm_90a"]
+
+
+def csrc_dir() -> Path:
+    """``csrc`` ships inside the package (``twell_compile/csrc``); an editable checkout has it at the root."""
+    here = Path(__file__).resolve()
+    for candidate in (here.parents[1] / "csrc", here.parents[2] / "csrc"):
+        if all((candidate / s).is_file() for s in _SOURCES):
+            return candidate
+    raise FileNotFoundError(f"twell: CUDA sources {_SOURCES} not found next to {here.parents[1]}")
+
+
+def _cache_dir(sources: list[Path]) -> Path:
+    digest = hashlib.sha256()
+    for src in sources:
+        digest.update(src.read_bytes())
+    digest.update(" ".join(_NVCC_FLAGS).encode())
+    digest.update(torch.__version__.encode())
+    root = Path(os.environ.get("TWELL_CACHE_DIR", Path.home() / ".cache" / "twell_compile"))
+    return root / f"cuda_ext_{digest.hexdigest()[:16]}"
+
+
+@functools.cache
+def cuda_extension():
+    """The compiled extension module (raises if it cannot be built)."""
+    from torch.utils.cpp_extension import load
+
+    sources = [csrc_dir() / s for s in _SOURCES]
+    build_dir = _cache_dir(sources)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob("*.so")):
+        print(f"twell: compiling the CUDA kernels into {build_dir} (first use only; this takes a minute or two)...",
+              file=sys.stderr, flush=True)
+    return load(
+        name="twell_cuda",
+        sources=[str(s) for s in sources],
+        extra_cflags=["-O3", "-std=c++17"],
+        extra_cuda_cflags=_NVCC_FLAGS,
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+
+
+@functools.cache
+def _unavailable_reason(device_index: int) -> str | None:
+    """None when the TwELL kernels can run on this CUDA device, else why not."""
+    if os.environ.get("TWELL_DISABLE_KERNELS", "") not in ("", "0"):
+        return "TWELL_DISABLE_KERNELS is set"
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(device_index)
+        return f"the kernels target Hopper (sm_90a) and {name} is sm_{major}{minor}"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    try:
+        cuda_extension()
+    except Exception as exc:  # a missing nvcc or a compile error: report it, run the reference
+        return f"building the CUDA extension failed: {type(exc).__name__}: {exc}"
+    return None
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    warnings.warn(f"twell: using the reference (dense PyTorch) implementation on CUDA because {reason}.",
+                  RuntimeWarning, stacklevel=3)
+
+
+def kernels_available(device: torch.device) -> bool:
+    """Whether the TwELL kernels run on ``device``; warns once with the reason when they do not."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    reason = _unavailable_reason(index)
+    if reason is not None:
+        _warn_once(reason)
+        return False
+    return True

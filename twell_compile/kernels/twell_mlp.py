@@ -1,0 +1,172 @@
+"""The TwELL path of the twell ops on CUDA: gate GEMM with packing epilogue, then sparse up + down.
+
+Per call, all on PyTorch's current stream, allocations through its caching allocator, no host sync:
+  1. ``gate_twell_kernel`` (Triton): relu(x W^T + b) packed per (row, N-tile), overflowing tiles to a
+     dense backup, active counts summed per 128-row block;
+  2. ``block_dense``: a block is dense when its active fraction exceeds ``config.dense_block_density``;
+  3. ``sparse_mlp_out`` (CUDA, csrc/): sparse blocks' rows of the output;
+  4. ``dense_hidden_kernel`` + ``dense_down_kernel`` (Triton): dense blocks' rows, by dense GEMMs.
+Steps 3 and 4 skip the blocks the other owns, so every output row is written exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from torch import Tensor
+
+from .. import stats
+from . import build, triton_kernels
+from .weight_cache import DOWN_WEIGHT_T
+
+DECISION_ROWS = triton_kernels.DECISION_ROWS
+
+
+@dataclasses.dataclass
+class KernelConfig:
+    dense_block_density: float = float(os.environ.get("TWELL_DENSE_BLOCK_DENSITY", "0.01"))
+    """A 128-row block whose fraction of active units exceeds this runs the dense GEMM path."""
+    poison_buffers: bool = False
+    """Tests: fill the output and work buffers with NaN/garbage instead of leaving them uninitialised,
+    so any element a kernel fails to write shows up."""
+
+
+config = KernelConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class GatePlan:
+    block_m: int
+    tile_n: int  # the TwELL tile is the gate GEMM's N-tile
+    block_k: int
+    cap: int  # packed slots per (row, tile)
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+def gate_plan(m: int) -> GatePlan:
+    override = os.environ.get("TWELL_GATE_PLAN")  # tuning: "block_m,tile_n,block_k,cap,warps,stages"
+    if override:
+        return GatePlan(*map(int, override.split(",")))
+    if m <= 64:  # decode-sized: narrow tiles so the weight streams through many SMs
+        return GatePlan(block_m=64, tile_n=64, block_k=128, cap=16, num_warps=4, num_stages=4)
+    return GatePlan(block_m=128, tile_n=128, block_k=64, cap=32, num_warps=8, num_stages=4)
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _column_splits(m: int, d: int, device: torch.device, vec8: bool) -> int:
+    """Output-column splits of the sparse kernel: enough CTAs to fill the GPU at small M, and at most
+    4 column groups of 256 threads per CTA."""
+    per_cta_max = 4 * 256 * (8 if vec8 else 1)
+    splits = -(-d // per_cta_max)
+    want = -(-2 * _num_sms(device) // m)
+    return max(splits, min(want, max(d // 128, 1)))
+
+
+def _vec8_ok(*tensors: Tensor) -> bool:
+    return all(t.shape[-1] % 8 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+_PROGRAMS_PER_SM = int(os.environ.get("TWELL_PROGRAMS_PER_SM", "1"))
+_WARP_SPECIALIZE = os.environ.get("TWELL_WARP_SPECIALIZE", "0") == "1"
+
+
+def _tma_ok(*tensors: Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row strides."""
+    if os.environ.get("TWELL_NO_TMA"):
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def _block_dense(block_nnz: Tensor, m: int, f: int) -> Tensor:
+    n_blocks = block_nnz.numel()
+    rows = torch.clamp(m - DECISION_ROWS * torch.arange(n_blocks, device=block_nnz.device), max=DECISION_ROWS)
+    return block_nnz.to(torch.float64) > rows.to(torch.float64) * (config.dense_block_density * f)
+
+
+def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    if not config.poison_buffers:
+        return torch.empty(shape, dtype=dtype, device=device)
+    fill = float("nan") if dtype.is_floating_point else (-7 if dtype == torch.int32 else 201)
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
+def _contig(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight: Tensor | None,
+              up_bias: Tensor | None, down_weight: Tensor, down_bias: Tensor | None) -> Tensor:
+    """Gated when ``up_weight`` is given (``act_weight`` is the gate), non-gated otherwise
+    (``act_weight`` is the up projection and the ReLU output is the hidden activation)."""
+    gated = up_weight is not None
+    k = x.shape[-1]
+    f = act_weight.shape[0]
+    d = down_weight.shape[0]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    out = _buffer((m, d), x.dtype, x.device)
+    if m == 0:
+        return out.view(*x.shape[:-1], d)
+    act_weight, act_bias, up_weight, up_bias, down_bias = map(_contig, (act_weight, act_bias, up_weight, up_bias, down_bias))
+    down_weight = down_weight.contiguous()
+
+    plan = gate_plan(m)
+    n_tiles = -(-f // plan.tile_n)
+    packed = _buffer((m, n_tiles, plan.cap), torch.int32, x.device)
+    counts = _buffer((m, n_tiles), torch.int32, x.device)
+    dense = _buffer((m, f), x.dtype, x.device)
+    n_blocks = -(-m // DECISION_ROWS)
+    block_nnz = torch.zeros(n_blocks, dtype=torch.int32, device=x.device)
+
+    grid = (-(-m // plan.block_m) * n_tiles,)
+    common = dict(CAP=plan.cap, HAS_BIAS=act_bias is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.tile_n,
+                  BLOCK_K=plan.block_k, GROUP_M=plan.group_m, num_warps=plan.num_warps, num_stages=plan.num_stages)
+    bias_arg = act_bias if act_bias is not None else x2
+    if _tma_ok(x2, act_weight):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor.from_tensor(x2, [plan.block_m, plan.block_k])
+        w_desc = TensorDescriptor.from_tensor(act_weight, [plan.tile_n, plan.block_k])
+        programs = min(grid[0], _num_sms(x.device) * _PROGRAMS_PER_SM)
+        grid = (programs,)
+        triton_kernels.gate_twell_tma_kernel[grid](
+            x_desc, w_desc, bias_arg, packed, counts, dense, block_nnz, m, f, k, n_tiles,
+            NUM_PROGRAMS=programs, WARP_SPECIALIZE=_WARP_SPECIALIZE, **common)
+    else:
+        triton_kernels.gate_twell_kernel[grid](
+            x2, act_weight, bias_arg, packed, counts, dense, block_nnz, m, f, k, x2.stride(0), act_weight.stride(0),
+            n_tiles, EVEN_K=k % plan.block_k == 0, **common)
+    block_dense = _block_dense(block_nnz, m, f)
+
+    w_down_t = DOWN_WEIGHT_T.transposed(down_weight)
+    vec8 = _vec8_ok(w_down_t, out, *((x2, up_weight) if gated else ()))
+    splits = _column_splits(m, d, x.device, vec8)
+    build.cuda_extension().sparse_mlp_out(
+        x2 if gated else None, packed, counts, dense, block_dense, up_weight, up_bias, w_down_t, down_bias,
+        out, plan.tile_n, splits,
+    )
+
+    triton_kernels.dense_hidden_kernel[(n_blocks, n_tiles)](
+        x2, up_weight if gated else x2, up_bias if up_bias is not None else x2, packed, counts, dense, block_dense,
+        m, f, k, x2.stride(0), up_weight.stride(0) if gated else 0, n_tiles,
+        CAP=plan.cap, GATED=gated, HAS_BIAS=up_bias is not None, BLOCK_N=plan.tile_n, BLOCK_K=64,
+        EVEN_K=k % 64 == 0, num_warps=8, num_stages=3,
+    )
+    triton_kernels.dense_down_kernel[(n_blocks, -(-d // 128))](
+        dense, down_weight, down_bias if down_bias is not None else x2, out, block_dense,
+        m, d, f, dense.stride(0), down_weight.stride(0), out.stride(0),
+        HAS_BIAS=down_bias is not None, BLOCK_N=128, BLOCK_K=64, EVEN_K=f % 64 == 0, num_warps=8, num_stages=3,
+    )
+
+    recorder = stats.active_recorder()
+    if recorder is not None:
+        recorder.add("gated_relu_mlp" if gated else "relu_mlp", counts.sum(1), f,
+                     overflow_rows=(counts > plan.cap).any(1), block_dense=block_dense)
+    return out.view(*x.shape[:-1], d)

@@ -1,0 +1,155 @@
+"""The ``torch.ops.twell`` operators: schemas, fake kernels, autograd and autocast rules.
+
+Two functional ops (no mutation, outputs never alias inputs):
+
+* ``twell::gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias?, up_bias?, down_bias?)``
+  computes ``down(relu(gate(x)) * up(x))``;
+* ``twell::relu_mlp(x, up_weight, down_weight, up_bias?, down_bias?)`` computes ``down(relu(up(x)))``.
+
+Weights and biases are taken exactly as ``nn.Linear`` stores them, so the FX pass can hand the model's
+own parameters to the op. Every device runs the plain-PyTorch reference (``reference.py``) unless a
+device-specific kernel is registered below; CUDA goes through ``kernels.cuda_*``, the seam where the
+TwELL kernels plug in.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import kernels, reference
+from .validation import check_gated, check_non_gated
+
+# ---------------------------------------------------------------------------------------------------
+# gated: down(relu(gate(x)) * up(x))
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("twell::gated_relu_mlp", mutates_args=())
+def gated_relu_mlp(
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    gate_bias: Tensor | None = None,
+    up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+) -> Tensor:
+    check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    out = reference.gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    return out.contiguous()
+
+
+@gated_relu_mlp.register_kernel("cuda")
+def _gated_relu_mlp_cuda(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None):
+    check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    return kernels.cuda_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+
+
+@gated_relu_mlp.register_fake
+def _gated_relu_mlp_fake(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None):
+    check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    return x.new_empty((*x.shape[:-1], down_weight.shape[0]))
+
+
+def _padded_needs(ctx, n_inputs: int) -> tuple[bool, ...]:
+    # needs_input_grad only covers the arguments actually passed; omitted optional biases need none.
+    needs = tuple(ctx.needs_input_grad)
+    return needs + (False,) * (n_inputs - len(needs))
+
+
+def _gated_setup_context(ctx, inputs, output):
+    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias = inputs
+    # Only inputs are saved; the backward recomputes gate and up (see reference.gated_relu_mlp_backward).
+    ctx.save_for_backward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias)
+
+
+def _gated_backward(ctx, grad_out):
+    x, gate_weight, up_weight, down_weight, gate_bias, up_bias = ctx.saved_tensors
+    needs = _padded_needs(ctx, 7)
+    grads = reference.gated_relu_mlp_backward(
+        grad_out, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, needs
+    )
+    return grads[: len(ctx.needs_input_grad)]
+
+
+gated_relu_mlp.register_autograd(_gated_backward, setup_context=_gated_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------
+# non-gated: down(relu(up(x)))
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("twell::relu_mlp", mutates_args=())
+def relu_mlp(
+    x: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+) -> Tensor:
+    check_non_gated(x, up_weight, down_weight, up_bias, down_bias)
+    return reference.relu_mlp(x, up_weight, down_weight, up_bias, down_bias).contiguous()
+
+
+@relu_mlp.register_kernel("cuda")
+def _relu_mlp_cuda(x, up_weight, down_weight, up_bias=None, down_bias=None):
+    check_non_gated(x, up_weight, down_weight, up_bias, down_bias)
+    return kernels.cuda_relu_mlp(x, up_weight, down_weight, up_bias, down_bias)
+
+
+@relu_mlp.register_fake
+def _relu_mlp_fake(x, up_weight, down_weight, up_bias=None, down_bias=None):
+    check_non_gated(x, up_weight, down_weight, up_bias, down_bias)
+    return x.new_empty((*x.shape[:-1], down_weight.shape[0]))
+
+
+def _relu_setup_context(ctx, inputs, output):
+    x, up_weight, down_weight, up_bias, down_bias = inputs
+    ctx.save_for_backward(x, up_weight, down_weight, up_bias)
+
+
+def _relu_backward(ctx, grad_out):
+    x, up_weight, down_weight, up_bias = ctx.saved_tensors
+    grads = reference.relu_mlp_backward(grad_out, x, up_weight, down_weight, up_bias, _padded_needs(ctx, 5))
+    return grads[: len(ctx.needs_input_grad)]
+
+
+relu_mlp.register_autograd(_relu_backward, setup_context=_relu_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------
+# autocast: behave like the nn.Linear calls the op replaced
+# ---------------------------------------------------------------------------------------------------
+
+
+def _register_autocast_like_linear(op: torch._ops.OpOverload, device_type: str) -> None:
+    """Casts floating inputs to the *current* autocast dtype, as autocast does for ``linear``.
+
+    ``torch.library.register_autocast`` fixes one dtype at registration; autocast regions choose
+    theirs (bfloat16 or float16) at run time, so the dtype is read when the op is called. float64
+    inputs are left alone, as autocast leaves them for linear.
+    """
+    autocast_key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    dispatch_key = getattr(torch._C.DispatchKey, autocast_key)
+
+    def cast(arg):
+        if isinstance(arg, Tensor) and arg.is_floating_point() and arg.dtype != torch.float64:
+            return arg.to(torch.get_autocast_dtype(device_type))
+        return arg
+
+    def call_without_autocast(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(dispatch_key)):
+            return op(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
+
+    # Python dispatcher (used while AOTAutograd/make_fx trace) and the C++ dispatcher (eager).
+    op.py_impl(dispatch_key)(call_without_autocast)
+    _AUTOCAST_LIB.impl(op._schema.name.split("::")[1], lambda _ks, *args: call_without_autocast(*args),
+                       autocast_key, with_keyset=True)
+
+
+_AUTOCAST_LIB = torch.library.Library("twell", "FRAGMENT")
+for _op in (torch.ops.twell.gated_relu_mlp.default, torch.ops.twell.relu_mlp.default):
+    for _device_type in ("cpu", "cuda"):
+        _register_autocast_like_linear(_op, _device_type)

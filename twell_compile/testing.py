@@ -1,0 +1,114 @@
+"""Synthetic ReLU-sparse MLP problems with controlled activation density (tests and benchmarks).
+
+The gate pre-activation of token ``r`` and unit ``u`` is ``z - shift[r] - unit_shift[u]`` with
+``z ~ N(0, 1)`` from random x and weights. The shifts ride on x's first feature (x[:, 0] = shift and
+W_gate[:, 0] = -1 - unit_shift), so the data looks like real activations to the kernels: no bias is
+needed, nothing is all-zero, and the density of each token and unit is set exactly in expectation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import Tensor
+
+
+@dataclasses.dataclass
+class MlpProblem:
+    x: Tensor
+    gate_weight: Tensor | None
+    up_weight: Tensor
+    down_weight: Tensor
+    gate_bias: Tensor | None
+    up_bias: Tensor | None
+    down_bias: Tensor | None
+
+    def gated_args(self):
+        return (self.x, self.gate_weight, self.up_weight, self.down_weight, self.gate_bias, self.up_bias, self.down_bias)
+
+    def non_gated_args(self):
+        return (self.x, self.up_weight, self.down_weight, self.up_bias, self.down_bias)
+
+
+def _normal_quantile(p: float) -> float:
+    """z with P(N(0,1) > z) = p."""
+    return math.sqrt(2.0) * torch.special.erfinv(torch.tensor(1.0 - 2.0 * p, dtype=torch.float64)).item()
+
+
+def make_problem(
+    m: int, hidden: int, intermediate: int, out_features: int | None = None, *,
+    nnz_per_row: float = 24.0, gated: bool = True, bias: bool = False, skew: bool = False,
+    dense_rows: tuple[int, ...] = (), dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+    generator: torch.Generator | None = None,
+) -> MlpProblem:
+    """Random MLP inputs whose ReLU activation has about ``nnz_per_row`` active units per token.
+
+    ``skew``: per-token and per-unit variation (log-normal token scale, 5% heavy units, 1% heavy
+    tokens), so some tiles overflow any fixed capacity. ``dense_rows``: tokens with every unit active.
+    The activated projection is the gate (gated) or the up projection (non-gated).
+    """
+    if hidden < 2:
+        raise ValueError("hidden must be at least 2 (x[:, 0] carries the density shift)")
+    out_features = hidden if out_features is None else out_features
+    g = generator
+    # Work in float64 on the CPU, float32 on a GPU (fast enough for 131072-token problems).
+    work_dtype = torch.float64 if torch.device(device).type == "cpu" else torch.float32
+    f64 = dict(dtype=work_dtype, device=device)
+    p = min(max(nnz_per_row / intermediate, 1e-6), 0.999)
+    row_shift = torch.full((m,), _normal_quantile(p), **f64)
+    unit_shift = torch.zeros(intermediate, **f64)
+    if skew:
+        row_shift = row_shift - 0.6 * torch.randn(m, generator=g, **f64).abs()
+        heavy_rows = torch.rand(m, generator=g, **f64) < 0.01
+        row_shift[heavy_rows] -= 1.5
+        heavy_units = torch.rand(intermediate, generator=g, **f64) < 0.05
+        unit_shift[heavy_units] -= 1.0
+    for r in dense_rows:
+        if r < m:
+            row_shift[r] = -12.0
+
+    x = torch.randn(m, hidden, generator=g, **f64)
+    x[:, 0] = row_shift
+    act = torch.randn(intermediate, hidden, generator=g, **f64) / math.sqrt(hidden - 1)
+    act[:, 0] = 1.0 + unit_shift
+    # z = x[:, 1:] . act[:, 1:] ~ N(0, 1); pre-activation = z - (row_shift + unit_shift) -> flip sign of column 0
+    act[:, 0] = -act[:, 0]
+    other = torch.randn(intermediate, hidden, generator=g, **f64) / math.sqrt(hidden)
+    down = torch.randn(out_features, intermediate, generator=g, **f64) / math.sqrt(max(nnz_per_row, 1.0))
+
+    def cast(t):
+        return t.to(device=device, dtype=dtype)
+
+    def small(n):
+        return cast(0.05 * torch.randn(n, generator=g, **f64)) if bias else None
+
+    if gated:
+        return MlpProblem(cast(x), cast(act), cast(other), cast(down), small(intermediate), small(intermediate),
+                          small(out_features))
+    return MlpProblem(cast(x), None, cast(act), cast(down), None, small(intermediate), small(out_features))
+
+
+def cuda_time_ms(fn, reps: int, warmup: int = 3) -> float:
+    """Median CUDA-event time of ``fn()`` in milliseconds, after ``warmup`` untimed calls."""
+    import statistics
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def relative_error(actual: Tensor, expected: Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in float64 (NaN if anything is NaN)."""
+    a, e = actual.double(), expected.double()
+    return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
