@@ -8,7 +8,7 @@ namespace twell {
 void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed, const at::Tensor& counts, const at::Tensor& dense, const at::Tensor& block_dense,
                     const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up,
                     const at::Tensor& w_down_t, const c10::optional<at::Tensor>& b_down, at::Tensor& out,
-                    int64_t tile_n, int64_t splits);
+                    int64_t tile_n, int64_t splits, int64_t threads);
 }  // namespace twell
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -17,5 +17,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("counts"),
         pybind11::arg("dense"), pybind11::arg("block_dense"), pybind11::arg("w_up"), pybind11::arg("b_up"),
         pybind11::arg("w_down_t"), pybind11::arg("b_down"), pybind11::arg("out"), pybind11::arg("tile_n"),
-        pybind11::arg("splits"));
+        pybind11::arg("splits"), pybind11::arg("threads"));
 }

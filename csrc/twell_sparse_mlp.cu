@@ -22,8 +22,6 @@
 namespace twell {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 constexpr int kListCap = 1024;     // active units gathered per chunk
 constexpr int kDecisionRows = 128;  // rows per dense/sparse decision block (matches the Triton kernels)
 
@@ -63,7 +61,9 @@ __device__ __forceinline__ float warp_sum(float v) {
 __device__ __forceinline__ bool is_active(float v) { return v > 0.f || v != v; }  // NaN propagates like eager
 
 // Exclusive prefix sum of the row's per-tile counts into offsets[0..n_tiles]; returns the total.
+template <int kThreads>
 __device__ int scan_tile_counts(const int* __restrict__ counts, int n_tiles, int* offsets, int* warp_totals) {
+  constexpr int kWarps = kThreads / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int carry = 0;
   for (int base = 0; base < n_tiles; base += kThreads) {
@@ -93,7 +93,7 @@ __device__ int scan_tile_counts(const int* __restrict__ counts, int n_tiles, int
   return carry;
 }
 
-template <typename T, int VEC, int NV, bool GATED>
+template <typename T, int VEC, int NV, bool GATED, int kThreads>
 __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
     const T* __restrict__ x,            // [M, K] (gated only)
     const uint32_t* __restrict__ packed,  // [M, n_tiles, cap]: value bits << 16 | column in tile
@@ -108,6 +108,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
     int K, int D, int F, int n_tiles, int cap, int tile_n, int cols_per_split) {
   const int64_t row = blockIdx.x;
   if (block_dense[row / kDecisionRows]) return;
+  constexpr int kWarps = kThreads / 32;
 
   extern __shared__ int smem[];
   int* offsets = smem;                                   // n_tiles + 1
@@ -116,7 +117,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
   float* list_h = reinterpret_cast<float*>(list_unit + kListCap);  // kListCap
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int total = scan_tile_counts(counts + row * n_tiles, n_tiles, offsets, warp_totals);
+  const int total = scan_tile_counts<kThreads>(counts + row * n_tiles, n_tiles, offsets, warp_totals);
 
   const int col0 = blockIdx.y * cols_per_split;
   const int col1 = min(D, col0 + cols_per_split);
@@ -228,7 +229,7 @@ const T* ptr_or_null(const c10::optional<at::Tensor>& t) {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-template <typename T, int VEC, int NV, bool GATED>
+template <typename T, int VEC, int NV, bool GATED, int kThreads>
 void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& counts,
             const at::Tensor& dense, const at::Tensor& block_dense, const c10::optional<at::Tensor>& w_up,
             const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_t,
@@ -241,8 +242,8 @@ void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& cou
   const int cap = static_cast<int>(packed.size(2));
   int cols_per_split = (D + splits - 1) / splits;
   cols_per_split = (cols_per_split + VEC - 1) / VEC * VEC;
-  const size_t smem = sizeof(int) * (n_tiles + 1 + kWarps + kListCap) + sizeof(float) * kListCap;
-  auto kernel = sparse_mlp_kernel<T, VEC, NV, GATED>;
+  const size_t smem = sizeof(int) * (n_tiles + 1 + kThreads / 32 + kListCap) + sizeof(float) * kListCap;
+  auto kernel = sparse_mlp_kernel<T, VEC, NV, GATED, kThreads>;
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
@@ -258,7 +259,7 @@ void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& cou
 
 // Picks the vector width (16-byte accesses when every row is 16-byte aligned) and the number of
 // column groups per thread from the columns one CTA covers.
-template <typename T, bool GATED>
+template <typename T, bool GATED, int kThreads>
 void dispatch_shape(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& counts,
                     const at::Tensor& dense, const at::Tensor& block_dense, const c10::optional<at::Tensor>& w_up,
                     const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_t,
@@ -270,7 +271,7 @@ void dispatch_shape(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   const int vec = vec8 ? 8 : 1;
   const int64_t groups = (cols + static_cast<int64_t>(kThreads) * vec - 1) / (static_cast<int64_t>(kThreads) * vec);
   TORCH_CHECK(groups <= 4, "twell: internal error, too many output columns per CTA (", cols, "); raise splits");
-#define TWELL_LAUNCH(V, NVV) launch<T, V, NVV, GATED>(x, packed, counts, dense, block_dense, w_up, b_up, w_down_t, b_down, out, tile_n, splits)
+#define TWELL_LAUNCH(V, NVV) launch<T, V, NVV, GATED, kThreads>(x, packed, counts, dense, block_dense, w_up, b_up, w_down_t, b_down, out, tile_n, splits)
   if (vec8) {
     if (groups <= 1) TWELL_LAUNCH(8, 1);
     else if (groups <= 2) TWELL_LAUNCH(8, 2);
@@ -289,8 +290,9 @@ void dispatch_shape(const at::Tensor& x, const at::Tensor& packed, const at::Ten
 void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed, const at::Tensor& counts, const at::Tensor& dense, const at::Tensor& block_dense,
                     const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up,
                     const at::Tensor& w_down_t, const c10::optional<at::Tensor>& b_down, at::Tensor& out,
-                    int64_t tile_n, int64_t splits) {
+                    int64_t tile_n, int64_t splits, int64_t threads) {
   const bool gated = w_up.has_value();
+  TORCH_CHECK(threads == 128 || threads == 256, "twell: threads must be 128 or 256");
   TORCH_CHECK(!gated || x.has_value(), "twell: the gated kernel needs x");
   TORCH_CHECK(packed.is_cuda() && packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.dim() == 3,
               "twell: packed must be a contiguous int32 CUDA [M, tiles, cap] tensor");
@@ -308,11 +310,17 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
   if (out.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
   const at::Tensor empty;
-#define TWELL_DTYPE(T)                                                                                              \
-  if (gated) dispatch_shape<T, true>(*x, packed, counts, dense, block_dense, w_up, b_up, w_down_t, b_down, out, \
-                                     static_cast<int>(tile_n), static_cast<int>(splits));                         \
-  else dispatch_shape<T, false>(empty, packed, counts, dense, block_dense, w_up, b_up, w_down_t, b_down, out,    \
-                                static_cast<int>(tile_n), static_cast<int>(splits));
+#define TWELL_THREADS(T, G, XX, N)                                                                               \
+  if (threads == 128) dispatch_shape<T, G, 128>(XX, packed, counts, dense, block_dense, w_up, b_up, w_down_t, b_down, \
+                                               out, static_cast<int>(tile_n), static_cast<int>(splits));          \
+  else dispatch_shape<T, G, 256>(XX, packed, counts, dense, block_dense, w_up, b_up, w_down_t, b_down, out,         \
+                                 static_cast<int>(tile_n), static_cast<int>(splits));
+#define TWELL_DTYPE(T)                    \
+  if (gated) {                            \
+    TWELL_THREADS(T, true, *x, 0)         \
+  } else {                                \
+    TWELL_THREADS(T, false, empty, 0)     \
+  }
   if (out.scalar_type() == at::kBFloat16) {
     TWELL_DTYPE(__nv_bfloat16)
   } else if (out.scalar_type() == at::kHalf) {
@@ -321,6 +329,7 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
     TORCH_CHECK(false, "twell: the CUDA kernels take bfloat16 or float16, got ", out.scalar_type());
   }
 #undef TWELL_DTYPE
+#undef TWELL_THREADS
 }
 
 }  // namespace twell

@@ -81,6 +81,8 @@ class ExplainReport:
 
     graph_reports: list[RewriteReport]
     graph_break_count: int
+    sparsity: str | None = None
+    """Per-call sparsity table of the twell ops on the example inputs (None for FX graphs)."""
 
     @property
     def rewritten(self) -> int:
@@ -98,6 +100,9 @@ class ExplainReport:
         for i, report in enumerate(self.graph_reports):
             lines.append(f"\n=== graph {i} ===")
             lines.append(str(report))
+        if self.sparsity is not None:
+            lines.append("\n=== sparsity of the rewritten blocks on the example inputs (one row per op call) ===")
+            lines.append(self.sparsity)
         return "\n".join(lines)
 
 
@@ -110,7 +115,8 @@ def explain(
     """Reports every candidate ReLU MLP block of ``model`` (rewritten or left alone, and why).
 
     An ``nn.Module`` is captured with Dynamo on ``example_inputs``, exactly as ``torch.compile``
-    would hand it to the backend; nothing is compiled and the model is not changed. FX graphs and
+    would hand it to the backend, and the rewritten graph is run once eagerly to report the active
+    units per row each twell op saw; nothing is compiled and the model is not changed. FX graphs and
     exported programs are analysed directly (their copy is rewritten, not the original).
     """
     twell_options = _twell_options(options)
@@ -118,17 +124,21 @@ def explain(
         _, report = rewrite(model, *example_inputs, options=twell_options)
         result = ExplainReport([report], graph_break_count=0)
     else:
+        from .stats import record_sparsity
+
         captured: list[RewriteReport] = []
 
         def analyse(gm: fx.GraphModule, inputs):
-            captured.append(run_passes(_copy_graph_module(gm), twell_options))
-            return gm.forward
+            rewritten = _copy_graph_module(gm)
+            captured.append(run_passes(rewritten, twell_options))
+            return rewritten.forward  # run eagerly, so the twell ops record their sparsity
 
         # A fresh compile of the model with a backend that only analyses; the model is run once.
         compiled = torch.compile(model, backend=analyse)
-        with torch.no_grad():
+        with torch.no_grad(), record_sparsity() as recorder:
             compiled(*example_inputs)
-        result = ExplainReport(captured, graph_break_count=max(len(captured) - 1, 0))
+        result = ExplainReport(captured, graph_break_count=max(len(captured) - 1, 0),
+                               sparsity=recorder.table() if recorder.calls() else None)
     if print_report:
         print(result)
     return result

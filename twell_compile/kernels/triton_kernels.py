@@ -57,90 +57,55 @@ def _matmul_tile(a_ptr, b_ptr, M, N, K, stride_am, stride_bn, pid_m, pid_n,
 
 
 @triton.jit
-def _pack_subtile(acc, bias_ptr, packed_ptr, dense_ptr, M, F, n_tiles, row0, pid_n, col_in_tile, carry,
-                  CAP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, SUB_N: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """Packs ``SUB_N`` columns of a tile whose earlier columns hold ``carry`` active units per row.
+def _twell_epilogue(acc, bias_ptr, packed_ptr, counts_ptr, dense_ptr, dense_desc, block_nnz_ptr, M, F, n_tiles,
+                    pid_m, pid_n, CAP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BACKUP_BY_TMA: tl.constexpr, VALUE_DTYPE: tl.constexpr):
+    """Packs one accumulator tile into the TwELL format (see the module docstring).
 
-    Returns (active count per row in this subtile, whether any row's raw values must go to the backup).
-    A slot is one 32-bit word, ``value bits << 16 | column in tile``. Slot positions are exclusive
-    prefix sums along the row, computed as a tensor-core product with a triangular ones matrix: exact
-    (0/1 sums in fp32) and already in the accumulator's layout, where a scan would shuffle the tile
-    through shared memory.
+    A slot is one 32-bit word, ``value bits << 16 | column in tile``. At the sparsities TwELL is for, a
+    row holds about one active unit per tile, so rather than scattering the whole tile (per-element
+    addresses and predicated stores for every element, which cost more than the GEMM's last third),
+    the words are extracted in column order one slot at a time: a row-wise min finds each row's next
+    active column, and one store writes that slot for all rows. The loop runs as many times as the
+    largest count among the tile's rows that fit (at most CAP).
     """
     row = tl.arange(0, BLOCK_M)
-    local = col_in_tile + tl.arange(0, SUB_N)
+    local = tl.arange(0, BLOCK_N)
+    row0 = pid_m * BLOCK_M
     col0 = pid_n * BLOCK_N
     row_ok = row < M - row0
     valid = row_ok[:, None] & (local < F - col0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + col0 + local, mask=local < F - col0, other=0.0).to(tl.float32)[None, :]
     # Round like the linear it replaces, then ReLU: keep values > 0 (and NaN, which eager propagates).
-    v = acc.to(dense_ptr.dtype.element_ty)
+    v = acc.to(VALUE_DTYPE)
     vf = v.to(tl.float32)
     active = ((vf > 0) | (vf != vf)) & valid
-    sub = tl.arange(0, SUB_N)
-    upper = (sub[:, None] <= sub[None, :]).to(tl.float16)
-    ones = active.to(tl.int32)
-    slot = tl.dot(active.to(tl.float16), upper).to(tl.int32) - ones + carry[:, None]
-    bits = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    word = (bits << 16) | local[None, :]
+    count = tl.sum(active.to(tl.int32), axis=1)
+
     row0_64 = row0.to(tl.int64)
-    slot_off = (row * (n_tiles * CAP))[:, None] + slot
-    tl.store(packed_ptr + (row0_64 * n_tiles + pid_n) * CAP + slot_off, word, mask=active & (slot < CAP))
-    return tl.sum(ones, axis=1), v
+    tl.store(counts_ptr + row0_64 * n_tiles + pid_n + row * n_tiles, count, mask=row_ok)
+    slot_ptrs = packed_ptr + (row0_64 * n_tiles + pid_n) * CAP + row * (n_tiles * CAP)
+    remaining = tl.where(active, local[None, :], BLOCK_N).to(tl.int16)  # BLOCK_N: nothing left
+    # Rows past capacity go to the backup whole, so only the others' slots are extracted.
+    for j in range(0, tl.max(tl.where(count > CAP, 0, count), axis=0)):
+        col = tl.min(remaining, axis=1)
+        hit = remaining == col[:, None]
+        value = tl.sum(tl.where(hit, v, 0.0).to(tl.float32), axis=1).to(VALUE_DTYPE)
+        word = ((value.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16) | col.to(tl.int32)
+        tl.store(slot_ptrs + j, word, mask=col < BLOCK_N)
+        remaining = tl.where(hit, BLOCK_N, remaining).to(tl.int16)
 
-
-@triton.jit
-def _store_backup(v, dense_ptr, M, F, row0, pid_n, col_in_tile, overflow, BLOCK_M: tl.constexpr,
-                  SUB_N: tl.constexpr, BLOCK_N: tl.constexpr):
-    row = tl.arange(0, BLOCK_M)
-    local = col_in_tile + tl.arange(0, SUB_N)
-    col0 = pid_n * BLOCK_N
-    valid = (row < M - row0)[:, None] & (local < F - col0)[None, :]
-    dense_off = (row * F)[:, None] + local[None, :]
-    tl.store(dense_ptr + row0.to(tl.int64) * F + col0 + dense_off, v, mask=overflow[:, None] & valid)
-
-
-@triton.jit
-def _twell_epilogue(acc, bias_ptr, packed_ptr, counts_ptr, dense_ptr, block_nnz_ptr, M, F, n_tiles, pid_m, pid_n,
-                    CAP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Packs one accumulator tile into the TwELL format (see the module docstring).
-
-    The tile is packed in four column quarters, one after the other, so that only a quarter of the
-    per-element store addresses is live at a time (the whole tile's would exceed the register file).
-    """
-    SUB: tl.constexpr = BLOCK_N // 4
-    halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-    h0, h1 = tl.split(halves)
-    q0, q1 = tl.split(tl.permute(tl.reshape(h0, (BLOCK_M, 2, SUB)), (0, 2, 1)))
-    q2, q3 = tl.split(tl.permute(tl.reshape(h1, (BLOCK_M, 2, SUB)), (0, 2, 1)))
-    row0 = pid_m * BLOCK_M
-    count = tl.zeros((BLOCK_M,), dtype=tl.int32)
-    c0, v0 = _pack_subtile(q0, bias_ptr, packed_ptr, dense_ptr, M, F, n_tiles, row0, pid_n, 0, count,
-                           CAP, HAS_BIAS, BLOCK_M, SUB, BLOCK_N)
-    count += c0
-    c1, v1 = _pack_subtile(q1, bias_ptr, packed_ptr, dense_ptr, M, F, n_tiles, row0, pid_n, SUB, count,
-                           CAP, HAS_BIAS, BLOCK_M, SUB, BLOCK_N)
-    count += c1
-    c2, v2 = _pack_subtile(q2, bias_ptr, packed_ptr, dense_ptr, M, F, n_tiles, row0, pid_n, 2 * SUB, count,
-                           CAP, HAS_BIAS, BLOCK_M, SUB, BLOCK_N)
-    count += c2
-    c3, v3 = _pack_subtile(q3, bias_ptr, packed_ptr, dense_ptr, M, F, n_tiles, row0, pid_n, 3 * SUB, count,
-                           CAP, HAS_BIAS, BLOCK_M, SUB, BLOCK_N)
-    count += c3
-
-    row = tl.arange(0, BLOCK_M)
-    row_ok = row < M - row0
-    tl.store(counts_ptr + row0.to(tl.int64) * n_tiles + pid_n + row * n_tiles, count, mask=row_ok)
-    # Overflowing (row, tile): the raw tile goes to the backup (readers apply the ReLU). Rare, so the
-    # stores are skipped unless some row of the tile overflowed.
-    overflow = count > CAP
+    # Overflowing (row, tile): the raw tile goes to the backup (readers apply the ReLU). Rare, so it is
+    # skipped unless some row of the tile overflowed. A TMA store writes the whole tile (only the
+    # overflowing rows are ever read) without the per-element addresses a masked store would need.
     if tl.max(count, axis=0) > CAP:
-        _store_backup(v0, dense_ptr, M, F, row0, pid_n, 0, overflow, BLOCK_M, SUB, BLOCK_N)
-        _store_backup(v1, dense_ptr, M, F, row0, pid_n, SUB, overflow, BLOCK_M, SUB, BLOCK_N)
-        _store_backup(v2, dense_ptr, M, F, row0, pid_n, 2 * SUB, overflow, BLOCK_M, SUB, BLOCK_N)
-        _store_backup(v3, dense_ptr, M, F, row0, pid_n, 3 * SUB, overflow, BLOCK_M, SUB, BLOCK_N)
+        if BACKUP_BY_TMA:
+            dense_desc.store([row0, col0], v)
+        else:
+            overflow = count > CAP
+            dense_off = (row * F)[:, None] + local[None, :]
+            tl.store(dense_ptr + row0_64 * F + col0 + dense_off, v, mask=overflow[:, None] & valid)
     tl.atomic_add(block_nnz_ptr + row0 // 128, tl.sum(count))
 
 
@@ -155,17 +120,17 @@ def gate_twell_kernel(
     """Pointer-load variant, for any K and row stride."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, F, BLOCK_M, BLOCK_N, GROUP_M)
     acc = _matmul_tile(x_ptr, w_ptr, M, F, K, stride_xm, stride_wf, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-    _twell_epilogue(acc, bias_ptr, packed_ptr, counts_ptr, dense_ptr, block_nnz_ptr, M, F, n_tiles, pid_m, pid_n,
-                    CAP, HAS_BIAS, BLOCK_M, BLOCK_N)
+    _twell_epilogue(acc, bias_ptr, packed_ptr, counts_ptr, dense_ptr, dense_ptr, block_nnz_ptr, M, F, n_tiles,
+                    pid_m, pid_n, CAP, HAS_BIAS, BLOCK_M, BLOCK_N, False, dense_ptr.dtype.element_ty)
 
 
 @triton.jit
 def gate_twell_tma_kernel(
-    x_desc, w_desc, bias_ptr, packed_ptr, counts_ptr, dense_ptr, block_nnz_ptr,
+    x_desc, w_desc, bias_ptr, packed_ptr, counts_ptr, dense_desc, block_nnz_ptr,
     M, F, K, n_tiles,
     CAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, VALUE_DTYPE: tl.constexpr,
 ):
     """Persistent tensor-memory-accelerator variant (rows 16-byte aligned): TMA loads with zero-filled
     tails; each program walks tiles ``NUM_PROGRAMS`` apart, and the flattened loop lets the next
@@ -181,16 +146,25 @@ def gate_twell_tma_kernel(
             a = x_desc.load([pid_m * BLOCK_M, ks * BLOCK_K])
             b = w_desc.load([pid_n * BLOCK_N, ks * BLOCK_K])
             acc = tl.dot(a, b.T, acc)
-        _twell_epilogue(acc, bias_ptr, packed_ptr, counts_ptr, dense_ptr, block_nnz_ptr, M, F, n_tiles, pid_m, pid_n,
-                        CAP, HAS_BIAS, BLOCK_M, BLOCK_N)
+        _twell_epilogue(acc, bias_ptr, packed_ptr, counts_ptr, dense_desc, dense_desc, block_nnz_ptr, M, F, n_tiles,
+                        pid_m, pid_n, CAP, HAS_BIAS, BLOCK_M, BLOCK_N, True, VALUE_DTYPE)
+
+
+@triton.jit
+def _matmul_tile_tma(a_desc, b_desc, K, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc = tl.dot(a_desc.load([pid_m * BLOCK_M, k0]), b_desc.load([pid_n * BLOCK_N, k0]).T, acc)
+    return acc
 
 
 @triton.jit
 def dense_hidden_kernel(
-    x_ptr, w_up_ptr, b_up_ptr, packed_ptr, counts_ptr, dense_ptr, block_dense_ptr,
+    x_ptr, w_up_ptr, b_up_ptr, packed_ptr, counts_ptr, dense_ptr, dense_desc, block_dense_ptr,
     M, F, K, stride_xm, stride_wf, n_tiles,
     CAP: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Dense path, first half: writes the hidden activation of a dense block into ``dense`` in place.
 
@@ -212,9 +186,13 @@ def dense_hidden_kernel(
 
     count = tl.load(counts_ptr + rm64 * n_tiles + pid_n, mask=row_ok, other=0)
     overflow = count > CAP
-    dense_ptrs = dense_ptr + rm64[:, None] * F + rn[None, :]
-    g = tl.load(dense_ptrs, mask=overflow[:, None] & valid, other=0.0).to(tl.float32)
-    g = tl.where((g > 0) | (g != g), g, 0.0)  # the backup holds the raw pre-activation
+    if USE_TMA:  # whole tile; rows that did not overflow hold stale data and are masked out below
+        g = dense_desc.load([pid_m * BLOCK_M, pid_n * BLOCK_N]).to(tl.float32)
+    else:
+        dense_ptrs = dense_ptr + rm64[:, None] * F + rn[None, :]
+        g = tl.load(dense_ptrs, mask=overflow[:, None] & valid, other=0.0).to(tl.float32)
+    # The backup holds the raw pre-activation: apply the ReLU (NaN propagates as in eager).
+    g = tl.where(overflow[:, None] & valid & ((g > 0) | (g != g)), g, 0.0)
     packed_count = tl.where(overflow, 0, count)
     slot_base = (rm64 * n_tiles + pid_n) * CAP
     for j in range(0, tl.max(packed_count, axis=0)):
@@ -225,19 +203,27 @@ def dense_hidden_kernel(
         g += tl.where(ij[:, None] == local[None, :], vj[:, None], 0.0)
 
     if GATED:
-        up = _matmul_tile(x_ptr, w_up_ptr, M, F, K, stride_xm, stride_wf, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        if USE_TMA:  # x_ptr / w_up_ptr are tensor descriptors
+            up = _matmul_tile_tma(x_ptr, w_up_ptr, K, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            up = _matmul_tile(x_ptr, w_up_ptr, M, F, K, stride_xm, stride_wf, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K,
+                              EVEN_K)
         if HAS_BIAS:
             up += tl.load(b_up_ptr + rn, mask=rn < F, other=0.0).to(tl.float32)[None, :]
         up = up.to(dense_ptr.dtype.element_ty).to(tl.float32)
         g = g * up
-    tl.store(dense_ptrs, g.to(dense_ptr.dtype.element_ty), mask=valid)
+    if USE_TMA:
+        dense_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], g.to(dense_ptr.dtype.element_ty))
+    else:
+        tl.store(dense_ptrs, g.to(dense_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
 def dense_down_kernel(
-    h_ptr, w_down_ptr, b_down_ptr, out_ptr, block_dense_ptr,
+    h_ptr, w_down_ptr, b_down_ptr, out_ptr, out_desc, block_dense_ptr,
     M, D, F, stride_hm, stride_wd, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Dense path, second half: ``out = h W_down^T + b_down`` for the rows of dense blocks."""
     BLOCK_M: tl.constexpr = 128
@@ -245,10 +231,18 @@ def dense_down_kernel(
     pid_n = tl.program_id(1)
     if tl.load(block_dense_ptr + pid_m) == 0:
         return
-    acc = _matmul_tile(h_ptr, w_down_ptr, M, D, F, stride_hm, stride_wd, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+    if USE_TMA:  # h_ptr / w_down_ptr are tensor descriptors
+        acc = _matmul_tile_tma(h_ptr, w_down_ptr, F, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc = _matmul_tile(h_ptr, w_down_ptr, M, D, F, stride_hm, stride_wd, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K,
+                           EVEN_K)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
         acc += tl.load(b_down_ptr + rn, mask=rn < D, other=0.0).to(tl.float32)[None, :]
-    mask = (rm < M)[:, None] & (rn < D)[None, :]
-    tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if USE_TMA:
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
+    else:
+        mask = (rm < M)[:, None] & (rn < D)[None, :]
+        tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)

@@ -15,6 +15,7 @@ import dataclasses
 import os
 
 import torch
+import triton.language as tl
 from torch import Tensor
 
 from .. import stats
@@ -26,8 +27,9 @@ DECISION_ROWS = triton_kernels.DECISION_ROWS
 
 @dataclasses.dataclass
 class KernelConfig:
-    dense_block_density: float = float(os.environ.get("TWELL_DENSE_BLOCK_DENSITY", "0.01"))
-    """A 128-row block whose fraction of active units exceeds this runs the dense GEMM path."""
+    dense_block_density: float = float(os.environ.get("TWELL_DENSE_BLOCK_DENSITY", "0.02"))
+    """A 128-row block whose fraction of active units exceeds this runs the dense GEMM path (2%: where
+    the sparse path stopped winning on an H200 at the 2B shape, see examples/bench_mlp.py)."""
     poison_buffers: bool = False
     """Tests: fill the output and work buffers with NaN/garbage instead of leaving them uninitialised,
     so any element a kernel fails to write shows up."""
@@ -44,6 +46,8 @@ class GatePlan:
     cap: int  # packed slots per (row, tile)
     num_warps: int
     num_stages: int
+    max_registers: int | None = None  # a cap lets two CTAs share an SM, overlapping epilogue and mainloop
+    programs_per_sm: int = 1
     group_m: int = 8
 
 
@@ -52,8 +56,8 @@ def gate_plan(m: int) -> GatePlan:
     if override:
         return GatePlan(*map(int, override.split(",")))
     if m <= 64:  # decode-sized: narrow tiles so the weight streams through many SMs
-        return GatePlan(block_m=64, tile_n=64, block_k=128, cap=16, num_warps=4, num_stages=4)
-    return GatePlan(block_m=128, tile_n=128, block_k=64, cap=32, num_warps=8, num_stages=4)
+        return GatePlan(block_m=64, tile_n=64, block_k=128, cap=8, num_warps=4, num_stages=4)
+    return GatePlan(block_m=128, tile_n=128, block_k=64, cap=8, num_warps=8, num_stages=4)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -63,7 +67,7 @@ def _num_sms(device: torch.device) -> int:
 def _column_splits(m: int, d: int, device: torch.device, vec8: bool) -> int:
     """Output-column splits of the sparse kernel: enough CTAs to fill the GPU at small M, and at most
     4 column groups of 256 threads per CTA."""
-    per_cta_max = 4 * 256 * (8 if vec8 else 1)
+    per_cta_max = 4 * _SPARSE_THREADS * (8 if vec8 else 1)
     splits = -(-d // per_cta_max)
     want = -(-2 * _num_sms(device) // m)
     return max(splits, min(want, max(d // 128, 1)))
@@ -73,7 +77,7 @@ def _vec8_ok(*tensors: Tensor) -> bool:
     return all(t.shape[-1] % 8 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
 
 
-_PROGRAMS_PER_SM = int(os.environ.get("TWELL_PROGRAMS_PER_SM", "1"))
+_SPARSE_THREADS = int(os.environ.get("TWELL_SPARSE_THREADS", "128"))  # measured: 18% faster than 256 on H200
 _WARP_SPECIALIZE = os.environ.get("TWELL_WARP_SPECIALIZE", "0") == "1"
 
 
@@ -118,6 +122,8 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     down_weight = down_weight.contiguous()
 
     plan = gate_plan(m)
+    # A gate CTA's rows must lie in one 128-row decision block (it adds its count to that block).
+    assert DECISION_ROWS % plan.block_m == 0, plan
     n_tiles = -(-f // plan.tile_n)
     packed = _buffer((m, n_tiles, plan.cap), torch.int32, x.device)
     counts = _buffer((m, n_tiles), torch.int32, x.device)
@@ -128,17 +134,21 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     grid = (-(-m // plan.block_m) * n_tiles,)
     common = dict(CAP=plan.cap, HAS_BIAS=act_bias is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.tile_n,
                   BLOCK_K=plan.block_k, GROUP_M=plan.group_m, num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if plan.max_registers:
+        common["maxnreg"] = plan.max_registers
     bias_arg = act_bias if act_bias is not None else x2
-    if _tma_ok(x2, act_weight):
+    if _tma_ok(x2, act_weight, dense):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         x_desc = TensorDescriptor.from_tensor(x2, [plan.block_m, plan.block_k])
         w_desc = TensorDescriptor.from_tensor(act_weight, [plan.tile_n, plan.block_k])
-        programs = min(grid[0], _num_sms(x.device) * _PROGRAMS_PER_SM)
+        dense_desc = TensorDescriptor.from_tensor(dense, [plan.block_m, plan.tile_n])
+        programs = min(grid[0], _num_sms(x.device) * plan.programs_per_sm)
         grid = (programs,)
         triton_kernels.gate_twell_tma_kernel[grid](
-            x_desc, w_desc, bias_arg, packed, counts, dense, block_nnz, m, f, k, n_tiles,
-            NUM_PROGRAMS=programs, WARP_SPECIALIZE=_WARP_SPECIALIZE, **common)
+            x_desc, w_desc, bias_arg, packed, counts, dense_desc, block_nnz, m, f, k, n_tiles,
+            NUM_PROGRAMS=programs, WARP_SPECIALIZE=_WARP_SPECIALIZE,
+            VALUE_DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, **common)
     else:
         triton_kernels.gate_twell_kernel[grid](
             x2, act_weight, bias_arg, packed, counts, dense, block_nnz, m, f, k, x2.stride(0), act_weight.stride(0),
@@ -150,19 +160,34 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     splits = _column_splits(m, d, x.device, vec8)
     build.cuda_extension().sparse_mlp_out(
         x2 if gated else None, packed, counts, dense, block_dense, up_weight, up_bias, w_down_t, down_bias,
-        out, plan.tile_n, splits,
+        out, plan.tile_n, splits, _SPARSE_THREADS,
     )
 
+    # Dense path for the blocks too dense to pay (exits at once elsewhere). TMA loads when rows allow.
+    dense_tma = _tma_ok(x2, down_weight, dense, out, *((up_weight,) if gated else ()))
+    if dense_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_arg = TensorDescriptor.from_tensor(x2, [DECISION_ROWS, 64])
+        up_arg = TensorDescriptor.from_tensor(up_weight, [plan.tile_n, 64]) if gated else x2
+        h_arg = TensorDescriptor.from_tensor(dense, [DECISION_ROWS, 64])
+        down_arg = TensorDescriptor.from_tensor(down_weight, [128, 64])
+        dense_tile = TensorDescriptor.from_tensor(dense, [DECISION_ROWS, plan.tile_n])
+        out_tile = TensorDescriptor.from_tensor(out, [DECISION_ROWS, 128])
+    else:
+        x_arg, up_arg, h_arg, down_arg = x2, up_weight if gated else x2, dense, down_weight
+        dense_tile, out_tile = dense, out
     triton_kernels.dense_hidden_kernel[(n_blocks, n_tiles)](
-        x2, up_weight if gated else x2, up_bias if up_bias is not None else x2, packed, counts, dense, block_dense,
+        x_arg, up_arg, up_bias if up_bias is not None else x2, packed, counts, dense, dense_tile, block_dense,
         m, f, k, x2.stride(0), up_weight.stride(0) if gated else 0, n_tiles,
         CAP=plan.cap, GATED=gated, HAS_BIAS=up_bias is not None, BLOCK_N=plan.tile_n, BLOCK_K=64,
-        EVEN_K=k % 64 == 0, num_warps=8, num_stages=3,
+        EVEN_K=k % 64 == 0, USE_TMA=dense_tma, num_warps=4, num_stages=4,
     )
     triton_kernels.dense_down_kernel[(n_blocks, -(-d // 128))](
-        dense, down_weight, down_bias if down_bias is not None else x2, out, block_dense,
+        h_arg, down_arg, down_bias if down_bias is not None else x2, out, out_tile, block_dense,
         m, d, f, dense.stride(0), down_weight.stride(0), out.stride(0),
-        HAS_BIAS=down_bias is not None, BLOCK_N=128, BLOCK_K=64, EVEN_K=f % 64 == 0, num_warps=8, num_stages=3,
+        HAS_BIAS=down_bias is not None, BLOCK_N=128, BLOCK_K=64, EVEN_K=f % 64 == 0, USE_TMA=dense_tma,
+        num_warps=4, num_stages=4,
     )
 
     recorder = stats.active_recorder()
