@@ -48,7 +48,7 @@ def main() -> None:
         for kind in args.kinds:
             for nnz in args.nnz:
                 # Skewed: heavy tokens and units; the base density is lowered so the mean stays near the target.
-                problem = make_problem(m, k, f, nnz_per_row=nnz / 3.2 if kind == "skewed" else nnz,
+                problem = make_problem(m, k, f, nnz_per_row=nnz / 2 if kind == "skewed" else nnz,
                                        skew=kind == "skewed", dtype=dtype)
                 x, wg, wu, wd = problem.x, problem.gate_weight, problem.up_weight, problem.down_weight
                 with twell_compile.record_sparsity() as rec:

@@ -45,8 +45,8 @@ def make_problem(
 ) -> MlpProblem:
     """Random MLP inputs whose ReLU activation has about ``nnz_per_row`` active units per token.
 
-    ``skew``: per-token and per-unit variation (log-normal token scale, 5% heavy units, 1% heavy
-    tokens), so some tiles overflow any fixed capacity. ``dense_rows``: tokens with every unit active.
+    ``skew``: per-token and per-unit variation (a random shift per token, 2% heavy units, 0.5% heavy
+    tokens with hundreds to thousands of active units), so some tiles overflow any fixed capacity. ``dense_rows``: tokens with every unit active.
     The activated projection is the gate (gated) or the up projection (non-gated).
     """
     if hidden < 2:
@@ -60,10 +60,10 @@ def make_problem(
     row_shift = torch.full((m,), _normal_quantile(p), **f64)
     unit_shift = torch.zeros(intermediate, **f64)
     if skew:
-        row_shift = row_shift - 0.6 * torch.randn(m, generator=g, **f64).abs()
-        heavy_rows = torch.rand(m, generator=g, **f64) < 0.01
-        row_shift[heavy_rows] -= 1.5
-        heavy_units = torch.rand(intermediate, generator=g, **f64) < 0.05
+        row_shift = row_shift + 0.3 * torch.randn(m, generator=g, **f64)
+        heavy_rows = torch.rand(m, generator=g, **f64) < 0.005
+        row_shift[heavy_rows] -= 2.0
+        heavy_units = torch.rand(intermediate, generator=g, **f64) < 0.02
         unit_shift[heavy_units] -= 1.0
     for r in dense_rows:
         if r < m:
