@@ -45,14 +45,15 @@ def kernel_config(**overrides):
 
 
 # Dense-path decision forced one way or the other, and the default (device-side, per 128-row block).
-PATHS = {"sparse": float("inf"), "dense": 0.0, "auto": None}
+PATHS = {
+    "sparse": dict(dense_block_density=float("inf"), heavy_block_overflow_tiles=2**31 - 1),
+    "dense": dict(dense_block_density=0.0),
+    "auto": {},
+}
 
 
 def _run(problem, gated: bool, path: str):
-    density = PATHS[path]
-    overrides = {"poison_buffers": True}
-    if density is not None:
-        overrides["dense_block_density"] = density
+    overrides = {"poison_buffers": True, **PATHS[path]}
     with kernel_config(**overrides):
         if gated:
             out = torch.ops.twell.gated_relu_mlp(*problem.gated_args())

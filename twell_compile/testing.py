@@ -108,6 +108,20 @@ def cuda_time_ms(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def cuda_graph_time_ms(fn, reps: int) -> float:
+    """Median time of replaying a CUDA graph of ``fn()``: the kernels alone, without launch overhead."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_time_ms(graph.replay, reps)
+
+
 def relative_error(actual: Tensor, expected: Tensor) -> float:
     """``||actual - expected|| / ||expected||`` in float64 (NaN if anything is NaN)."""
     a, e = actual.double(), expected.double()

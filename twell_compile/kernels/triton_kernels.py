@@ -106,7 +106,9 @@ def _twell_epilogue(acc, bias_ptr, packed_ptr, counts_ptr, dense_ptr, dense_desc
             overflow = count > CAP
             dense_off = (row * F)[:, None] + local[None, :]
             tl.store(dense_ptr + row0_64 * F + col0 + dense_off, v, mask=overflow[:, None] & valid)
+    # Per 128-row block: active units, then (n_blocks further on) row-tiles past capacity.
     tl.atomic_add(block_nnz_ptr + row0 // 128, tl.sum(count))
+    tl.atomic_add(block_nnz_ptr + tl.cdiv(M, 128) + row0 // 128, tl.sum((count > CAP).to(tl.int32)))
 
 
 @triton.jit
@@ -151,6 +153,14 @@ def gate_twell_tma_kernel(
 
 
 @triton.jit
+def _block_is_dense(block_nnz_ptr, block, n_blocks, thr_full, thr_last, thr_heavy):
+    # The same integer test as the CUDA sparse kernel, so each block has exactly one owner: too many
+    # active units, or rows so heavy (many tiles past capacity) that one CTA per row would straggle.
+    too_many = tl.load(block_nnz_ptr + block) > tl.where(block == n_blocks - 1, thr_last, thr_full)
+    return too_many | (tl.load(block_nnz_ptr + n_blocks + block) > thr_heavy)
+
+
+@triton.jit
 def _matmul_tile_tma(a_desc, b_desc, K, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr):
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -161,8 +171,8 @@ def _matmul_tile_tma(a_desc, b_desc, K, pid_m, pid_n, BLOCK_M: tl.constexpr, BLO
 
 @triton.jit
 def dense_hidden_kernel(
-    x_ptr, w_up_ptr, b_up_ptr, packed_ptr, counts_ptr, dense_ptr, dense_desc, block_dense_ptr,
-    M, F, K, stride_xm, stride_wf, n_tiles,
+    x_ptr, w_up_ptr, b_up_ptr, packed_ptr, counts_ptr, dense_ptr, dense_desc, block_nnz_ptr,
+    M, F, K, stride_xm, stride_wf, n_tiles, n_blocks, thr_full, thr_last, thr_heavy,
     CAP: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr,
 ):
@@ -175,7 +185,7 @@ def dense_hidden_kernel(
     BLOCK_M: tl.constexpr = 128
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if tl.load(block_dense_ptr + pid_m) == 0:
+    if not _block_is_dense(block_nnz_ptr, pid_m, n_blocks, thr_full, thr_last, thr_heavy):
         return
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     local = tl.arange(0, BLOCK_N)
@@ -220,8 +230,8 @@ def dense_hidden_kernel(
 
 @triton.jit
 def dense_down_kernel(
-    h_ptr, w_down_ptr, b_down_ptr, out_ptr, out_desc, block_dense_ptr,
-    M, D, F, stride_hm, stride_wd, stride_om,
+    h_ptr, w_down_ptr, b_down_ptr, out_ptr, out_desc, block_nnz_ptr,
+    M, D, F, stride_hm, stride_wd, stride_om, n_blocks, thr_full, thr_last, thr_heavy,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
@@ -229,7 +239,7 @@ def dense_down_kernel(
     BLOCK_M: tl.constexpr = 128
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if tl.load(block_dense_ptr + pid_m) == 0:
+    if not _block_is_dense(block_nnz_ptr, pid_m, n_blocks, thr_full, thr_last, thr_heavy):
         return
     if USE_TMA:  # h_ptr / w_down_ptr are tensor descriptors
         acc = _matmul_tile_tma(h_ptr, w_down_ptr, F, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K)

@@ -3,7 +3,8 @@
 Per call, all on PyTorch's current stream, allocations through its caching allocator, no host sync:
   1. ``gate_twell_kernel`` (Triton): relu(x W^T + b) packed per (row, N-tile), overflowing tiles to a
      dense backup, active counts summed per 128-row block;
-  2. ``block_dense``: a block is dense when its active fraction exceeds ``config.dense_block_density``;
+  2. a block is dense when its active fraction exceeds ``config.dense_block_density`` (each kernel
+     compares the block's count with the same integer threshold);
   3. ``sparse_mlp_out`` (CUDA, csrc/): sparse blocks' rows of the output;
   4. ``dense_hidden_kernel`` + ``dense_down_kernel`` (Triton): dense blocks' rows, by dense GEMMs.
 Steps 3 and 4 skip the blocks the other owns, so every output row is written exactly once.
@@ -30,6 +31,9 @@ class KernelConfig:
     dense_block_density: float = float(os.environ.get("TWELL_DENSE_BLOCK_DENSITY", "0.02"))
     """A 128-row block whose fraction of active units exceeds this runs the dense GEMM path (2%: where
     the sparse path stopped winning on an H200 at the 2B shape, see examples/bench_mlp.py)."""
+    heavy_block_overflow_tiles: int = 16
+    """A 128-row block with more (row, tile) pairs past capacity than this also runs the dense path: on
+    the sparse path a row with hundreds of active units is one CTA's sequential work (a straggler)."""
     poison_buffers: bool = False
     """Tests: fill the output and work buffers with NaN/garbage instead of leaving them uninitialised,
     so any element a kernel fails to write shows up."""
@@ -88,10 +92,28 @@ def _tma_ok(*tensors: Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
 
-def _block_dense(block_nnz: Tensor, m: int, f: int) -> Tensor:
-    n_blocks = block_nnz.numel()
-    rows = torch.clamp(m - DECISION_ROWS * torch.arange(n_blocks, device=block_nnz.device), max=DECISION_ROWS)
-    return block_nnz.to(torch.float64) > rows.to(torch.float64) * (config.dense_block_density * f)
+def _dense_thresholds(m: int, f: int) -> tuple[int, int]:
+    """Largest active count a full 128-row block, and the last (maybe partial) block, may have and
+    still take the sparse path. Plain integers from shapes and the setting: no device data involved."""
+    def threshold(rows: int) -> int:
+        limit = rows * f * config.dense_block_density
+        return 2**31 - 1 if limit >= 2**31 - 1 else int(limit)
+
+    last_rows = m - DECISION_ROWS * ((m - 1) // DECISION_ROWS)
+    return threshold(DECISION_ROWS), threshold(last_rows)
+
+
+def _heavy_threshold() -> int:
+    return min(config.heavy_block_overflow_tiles, 2**31 - 1)
+
+
+def block_dense(block_stats: Tensor, m: int, f: int) -> Tensor:
+    """Which blocks took the dense path (for statistics; the kernels make the same test themselves)."""
+    nnz, overflow_tiles = block_stats.view(2, -1)
+    thr_full, thr_last = _dense_thresholds(m, f)
+    thresholds = torch.full_like(nnz, thr_full)
+    thresholds[-1] = thr_last
+    return (nnz > thresholds) | (overflow_tiles > _heavy_threshold())
 
 
 def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -129,7 +151,7 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     counts = _buffer((m, n_tiles), torch.int32, x.device)
     dense = _buffer((m, f), x.dtype, x.device)
     n_blocks = -(-m // DECISION_ROWS)
-    block_nnz = torch.zeros(n_blocks, dtype=torch.int32, device=x.device)
+    block_nnz = torch.zeros(2 * n_blocks, dtype=torch.int32, device=x.device)  # active units; overflowed row-tiles
 
     grid = (-(-m // plan.block_m) * n_tiles,)
     common = dict(CAP=plan.cap, HAS_BIAS=act_bias is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.tile_n,
@@ -153,14 +175,15 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
         triton_kernels.gate_twell_kernel[grid](
             x2, act_weight, bias_arg, packed, counts, dense, block_nnz, m, f, k, x2.stride(0), act_weight.stride(0),
             n_tiles, EVEN_K=k % plan.block_k == 0, **common)
-    block_dense = _block_dense(block_nnz, m, f)
+    thr_full, thr_last = _dense_thresholds(m, f)
+    thr_heavy = _heavy_threshold()
 
     w_down_t = DOWN_WEIGHT_T.transposed(down_weight)
     vec8 = _vec8_ok(w_down_t, out, *((x2, up_weight) if gated else ()))
     splits = _column_splits(m, d, x.device, vec8)
     build.cuda_extension().sparse_mlp_out(
-        x2 if gated else None, packed, counts, dense, block_dense, up_weight, up_bias, w_down_t, down_bias,
-        out, plan.tile_n, splits, _SPARSE_THREADS,
+        x2 if gated else None, packed, counts, dense, block_nnz, up_weight, up_bias, w_down_t, down_bias,
+        out, plan.tile_n, splits, _SPARSE_THREADS, thr_full, thr_last, thr_heavy,
     )
 
     # Dense path for the blocks too dense to pay (exits at once elsewhere). TMA loads when rows allow.
@@ -178,14 +201,14 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
         x_arg, up_arg, h_arg, down_arg = x2, up_weight if gated else x2, dense, down_weight
         dense_tile, out_tile = dense, out
     triton_kernels.dense_hidden_kernel[(n_blocks, n_tiles)](
-        x_arg, up_arg, up_bias if up_bias is not None else x2, packed, counts, dense, dense_tile, block_dense,
-        m, f, k, x2.stride(0), up_weight.stride(0) if gated else 0, n_tiles,
+        x_arg, up_arg, up_bias if up_bias is not None else x2, packed, counts, dense, dense_tile, block_nnz,
+        m, f, k, x2.stride(0), up_weight.stride(0) if gated else 0, n_tiles, n_blocks, thr_full, thr_last, thr_heavy,
         CAP=plan.cap, GATED=gated, HAS_BIAS=up_bias is not None, BLOCK_N=plan.tile_n, BLOCK_K=64,
         EVEN_K=k % 64 == 0, USE_TMA=dense_tma, num_warps=4, num_stages=4,
     )
     triton_kernels.dense_down_kernel[(n_blocks, -(-d // 128))](
-        h_arg, down_arg, down_bias if down_bias is not None else x2, out, out_tile, block_dense,
-        m, d, f, dense.stride(0), down_weight.stride(0), out.stride(0),
+        h_arg, down_arg, down_bias if down_bias is not None else x2, out, out_tile, block_nnz,
+        m, d, f, dense.stride(0), down_weight.stride(0), out.stride(0), n_blocks, thr_full, thr_last, thr_heavy,
         HAS_BIAS=down_bias is not None, BLOCK_N=128, BLOCK_K=64, EVEN_K=f % 64 == 0, USE_TMA=dense_tma,
         num_warps=4, num_stages=4,
     )
@@ -193,5 +216,5 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     recorder = stats.active_recorder()
     if recorder is not None:
         recorder.add("gated_relu_mlp" if gated else "relu_mlp", counts.sum(1), f,
-                     overflow_rows=(counts > plan.cap).any(1), block_dense=block_dense)
+                     overflow_rows=(counts > plan.cap).any(1), block_dense=block_dense(block_nnz, m, f))
     return out.view(*x.shape[:-1], d)
