@@ -132,7 +132,7 @@ def gate_twell_tma_kernel(
     M, F, K, n_tiles,
     CAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, VALUE_DTYPE: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, VALUE_DTYPE: tl.constexpr,
 ):
     """Persistent tensor-memory-accelerator variant (rows 16-byte aligned): TMA loads with zero-filled
     tails; each program walks tiles ``NUM_PROGRAMS`` apart, and the flattened loop lets the next
@@ -140,8 +140,7 @@ def gate_twell_tma_kernel(
     n_tiles_m = tl.cdiv(M, BLOCK_M)
     n_tiles_f = tl.cdiv(F, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), n_tiles_m * n_tiles_f, NUM_PROGRAMS, flatten=True,
-                         warp_specialize=WARP_SPECIALIZE):
+    for tile in tl.range(tl.program_id(0), n_tiles_m * n_tiles_f, NUM_PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_ids(tile, M, F, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ks in range(k_steps):

@@ -50,13 +50,13 @@ class GatePlan:
     cap: int  # packed slots per (row, tile)
     num_warps: int
     num_stages: int
-    max_registers: int | None = None  # a cap lets two CTAs share an SM, overlapping epilogue and mainloop
-    programs_per_sm: int = 1
     group_m: int = 8
 
 
 def gate_plan(m: int) -> GatePlan:
-    override = os.environ.get("TWELL_GATE_PLAN")  # tuning: "block_m,tile_n,block_k,cap,warps,stages"
+    # Tuning knob: "block_m,tile_n,block_k,cap,warps,stages". The defaults were the fastest measured on
+    # an H200 (README); wider tiles or fewer warps spill registers in the packing epilogue.
+    override = os.environ.get("TWELL_GATE_PLAN")
     if override:
         return GatePlan(*map(int, override.split(",")))
     if m <= 64:  # decode-sized: narrow tiles so the weight streams through many SMs
@@ -70,7 +70,7 @@ def _num_sms(device: torch.device) -> int:
 
 def _column_splits(m: int, d: int, device: torch.device, vec8: bool) -> int:
     """Output-column splits of the sparse kernel: enough CTAs to fill the GPU at small M, and at most
-    4 column groups of 256 threads per CTA."""
+    4 column groups per thread of a CTA."""
     per_cta_max = 4 * _SPARSE_THREADS * (8 if vec8 else 1)
     splits = -(-d // per_cta_max)
     want = -(-2 * _num_sms(device) // m)
@@ -82,7 +82,6 @@ def _vec8_ok(*tensors: Tensor) -> bool:
 
 
 _SPARSE_THREADS = int(os.environ.get("TWELL_SPARSE_THREADS", "128"))  # measured: 18% faster than 256 on H200
-_WARP_SPECIALIZE = os.environ.get("TWELL_WARP_SPECIALIZE", "0") == "1"
 
 
 def _tma_ok(*tensors: Tensor) -> bool:
@@ -156,8 +155,6 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     grid = (-(-m // plan.block_m) * n_tiles,)
     common = dict(CAP=plan.cap, HAS_BIAS=act_bias is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.tile_n,
                   BLOCK_K=plan.block_k, GROUP_M=plan.group_m, num_warps=plan.num_warps, num_stages=plan.num_stages)
-    if plan.max_registers:
-        common["maxnreg"] = plan.max_registers
     bias_arg = act_bias if act_bias is not None else x2
     if _tma_ok(x2, act_weight, dense):
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -165,11 +162,11 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
         x_desc = TensorDescriptor.from_tensor(x2, [plan.block_m, plan.block_k])
         w_desc = TensorDescriptor.from_tensor(act_weight, [plan.tile_n, plan.block_k])
         dense_desc = TensorDescriptor.from_tensor(dense, [plan.block_m, plan.tile_n])
-        programs = min(grid[0], _num_sms(x.device) * plan.programs_per_sm)
+        programs = min(grid[0], _num_sms(x.device))
         grid = (programs,)
         triton_kernels.gate_twell_tma_kernel[grid](
             x_desc, w_desc, bias_arg, packed, counts, dense_desc, block_nnz, m, f, k, n_tiles,
-            NUM_PROGRAMS=programs, WARP_SPECIALIZE=_WARP_SPECIALIZE,
+            NUM_PROGRAMS=programs,
             VALUE_DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, **common)
     else:
         triton_kernels.gate_twell_kernel[grid](
