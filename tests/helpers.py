@@ -13,6 +13,18 @@ from torch import fx, nn
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def _twell_kernels_ready() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from twell_compile.kernels.build import kernels_available
+
+    return kernels_available(torch.device("cuda"))
+
+
+requires_twell_kernels = pytest.mark.skipif(not _twell_kernels_ready(),
+                                            reason="needs a Hopper GPU with the TwELL kernels built")
+
+
 # ---------------------------------------------------------------------------------------------------
 # eager math of the two blocks, spelled with F.linear exactly as nn.Linear runs it
 # ---------------------------------------------------------------------------------------------------

@@ -14,20 +14,10 @@ import torch
 
 import twell_compile  # noqa: F401
 from twell_compile import reference
+from helpers import requires_twell_kernels
 from twell_compile.testing import make_problem, relative_error
 
 pytestmark = pytest.mark.cuda
-
-
-def _kernels_ready() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    from twell_compile.kernels.build import kernels_available
-
-    return kernels_available(torch.device("cuda"))
-
-
-requires_kernels = pytest.mark.skipif(not _kernels_ready(), reason="needs a Hopper GPU with the TwELL kernels built")
 
 
 @contextlib.contextmanager
@@ -82,7 +72,7 @@ SHAPES = [
 ]
 
 
-@requires_kernels
+@requires_twell_kernels
 @pytest.mark.parametrize("m", [1, 7, 255, 256, 4097])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -104,7 +94,7 @@ ADVERSARIAL = {
 }
 
 
-@requires_kernels
+@requires_twell_kernels
 @pytest.mark.parametrize("case", sorted(ADVERSARIAL))
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -117,14 +107,14 @@ def test_adversarial_sparsity(case, gated, path):
     _check(*_run(problem, gated, path), f"{case} gated={gated} path={path}")
 
 
-@requires_kernels
+@requires_twell_kernels
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 def test_many_tokens(gated):
     problem = make_problem(131072, 2048, 5632, gated=gated, nnz_per_row=24.0, skew=True)
     _check(*_run(problem, gated, "auto"), "M=131072 skewed")
 
 
-@requires_kernels
+@requires_twell_kernels
 def test_intermediate_beyond_16_bit_indices():
     f = 70000
     problem = make_problem(64, 64, f, 64, nnz_per_row=200.0, skew=True)
@@ -135,14 +125,14 @@ def test_intermediate_beyond_16_bit_indices():
         _check(*_run(problem, True, path), f"F={f} {path}")
 
 
-@requires_kernels
+@requires_twell_kernels
 def test_float32_uses_exact_reference():
     problem = make_problem(33, 64, 128, dtype=torch.float32, nnz_per_row=8.0)
     out = torch.ops.twell.gated_relu_mlp(*problem.gated_args())
     torch.testing.assert_close(out, reference.gated_relu_mlp(*problem.gated_args()))
 
 
-@requires_kernels
+@requires_twell_kernels
 def test_no_aliasing_and_inputs_untouched():
     problem = make_problem(300, 256, 512, nnz_per_row=16.0, bias=True)
     before = [t.clone() for t in problem.gated_args()]
@@ -152,7 +142,7 @@ def test_no_aliasing_and_inputs_untouched():
         assert out.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
 
 
-@requires_kernels
+@requires_twell_kernels
 def test_cuda_graph_capture_and_replay():
     problem = make_problem(512, 2048, 5632, nnz_per_row=24.0, bias=True)
     args = problem.gated_args()
@@ -171,7 +161,7 @@ def test_cuda_graph_capture_and_replay():
         assert relative_error(static_out, expected) < 1e-2
 
 
-@requires_kernels
+@requires_twell_kernels
 def test_weight_update_invalidates_transposed_cache():
     problem = make_problem(256, 256, 512, nnz_per_row=16.0)
     args = list(problem.gated_args())
@@ -183,7 +173,7 @@ def test_weight_update_invalidates_transposed_cache():
     assert relative_error(out, expected) < 1e-2
 
 
-@requires_kernels
+@requires_twell_kernels
 def test_sparsity_stats_recorded_without_changing_results():
     problem = make_problem(1024, 2048, 5632, nnz_per_row=24.0, dense_rows=(0,))
     with twell_compile.record_sparsity() as rec:

@@ -15,20 +15,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import twell_compile
+from helpers import requires_twell_kernels
 from twell_compile.testing import relative_error
 
 pytestmark = pytest.mark.cuda
 
-
-def _kernels_ready() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    from twell_compile.kernels.build import kernels_available
-
-    return kernels_available(torch.device("cuda"))
-
-
-requires_kernels = pytest.mark.skipif(not _kernels_ready(), reason="needs a Hopper GPU with the TwELL kernels built")
 
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, VOCAB = 256, 1024, 2, 4, 512
 
@@ -73,7 +64,7 @@ def _twell_calls(recorder) -> list:
     return [call for call in recorder.calls() if call.op in ("gated_relu_mlp", "relu_mlp")]
 
 
-@requires_kernels
+@requires_twell_kernels
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_compiled_model_runs_twell_kernels_and_matches_eager(name):
     model = _sparse_model(name)
@@ -95,7 +86,7 @@ def test_compiled_model_runs_twell_kernels_and_matches_eager(name):
     assert relative_error(actual, expected) < 2e-2
 
 
-@requires_kernels
+@requires_twell_kernels
 @pytest.mark.parametrize("name", ["llama", "opt"])
 def test_compiled_model_in_cuda_graph_mode(name):
     model = _sparse_model(name)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import kernels, reference, stats
+from . import kernels, reference
 from .validation import check_gated, check_non_gated
 
 # ---------------------------------------------------------------------------------------------------
@@ -36,10 +36,7 @@ def gated_relu_mlp(
     down_bias: Tensor | None = None,
 ) -> Tensor:
     check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-    if stats.active_recorder() is not None:
-        kernels.record_reference_stats("gated_relu_mlp", torch.nn.functional.linear(x, gate_weight, gate_bias))
-    out = reference.gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-    return out.contiguous()
+    return kernels.reference_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
 
 
 @gated_relu_mlp.register_kernel("cuda")
@@ -92,9 +89,7 @@ def relu_mlp(
     down_bias: Tensor | None = None,
 ) -> Tensor:
     check_non_gated(x, up_weight, down_weight, up_bias, down_bias)
-    if stats.active_recorder() is not None:
-        kernels.record_reference_stats("relu_mlp", torch.nn.functional.linear(x, up_weight, up_bias))
-    return reference.relu_mlp(x, up_weight, down_weight, up_bias, down_bias).contiguous()
+    return kernels.reference_relu_mlp(x, up_weight, down_weight, up_bias, down_bias)
 
 
 @relu_mlp.register_kernel("cuda")

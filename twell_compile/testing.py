@@ -46,7 +46,8 @@ def make_problem(
     """Random MLP inputs whose ReLU activation has about ``nnz_per_row`` active units per token.
 
     ``skew``: per-token and per-unit variation (a random shift per token, 2% heavy units, 0.5% heavy
-    tokens with hundreds to thousands of active units), so some tiles overflow any fixed capacity. ``dense_rows``: tokens with every unit active.
+    tokens with hundreds to thousands of active units), so some tiles overflow any fixed capacity.
+    ``dense_rows``: tokens with every unit active.
     The activated projection is the gate (gated) or the up projection (non-gated).
     """
     if hidden < 2:

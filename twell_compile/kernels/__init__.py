@@ -24,11 +24,26 @@ def _use_kernels(x: Tensor) -> bool:
     return kernels_available(x.device)
 
 
-def record_reference_stats(op: str, pre_activation: Tensor) -> None:
+def _record_reference_stats(op: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    """While a sparsity recorder is active, the reference path reports its activation's density too
+    (the ReLU'd projection is recomputed for it, only then)."""
     recorder = stats.active_recorder()
     if recorder is not None:
+        pre_activation = torch.nn.functional.linear(x, weight, bias)
         active = (pre_activation > 0) | pre_activation.isnan()
         recorder.add(op, active.reshape(-1, active.shape[-1]).sum(1), active.shape[-1])
+
+
+def reference_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) -> Tensor:
+    """The reference path of ``twell::gated_relu_mlp`` on any device, with sparsity recording."""
+    _record_reference_stats("gated_relu_mlp", x, gate_weight, gate_bias)
+    return reference.gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias).contiguous()
+
+
+def reference_relu_mlp(x, up_weight, down_weight, up_bias, down_bias) -> Tensor:
+    """The reference path of ``twell::relu_mlp`` on any device, with sparsity recording."""
+    _record_reference_stats("relu_mlp", x, up_weight, up_bias)
+    return reference.relu_mlp(x, up_weight, down_weight, up_bias, down_bias).contiguous()
 
 
 def cuda_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) -> Tensor:
@@ -36,9 +51,7 @@ def cuda_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bi
         from .twell_mlp import twell_mlp
 
         return twell_mlp(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
-    if stats.active_recorder() is not None:
-        record_reference_stats("gated_relu_mlp", torch.nn.functional.linear(x, gate_weight, gate_bias))
-    return reference.gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias).contiguous()
+    return reference_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
 
 
 def cuda_relu_mlp(x, up_weight, down_weight, up_bias, down_bias) -> Tensor:
@@ -46,6 +59,4 @@ def cuda_relu_mlp(x, up_weight, down_weight, up_bias, down_bias) -> Tensor:
         from .twell_mlp import twell_mlp
 
         return twell_mlp(x, up_weight, up_bias, None, None, down_weight, down_bias)
-    if stats.active_recorder() is not None:
-        record_reference_stats("relu_mlp", torch.nn.functional.linear(x, up_weight, up_bias))
-    return reference.relu_mlp(x, up_weight, down_weight, up_bias, down_bias).contiguous()
+    return reference_relu_mlp(x, up_weight, down_weight, up_bias, down_bias)
