@@ -9,7 +9,7 @@
 //   3. gated only: one warp per entry computes up = x . W_up[unit] (+ b_up) and h = g * up;
 //   4. accumulates out[d] += h * W_down^T[unit, d] in fp32 over the list, then writes out (+ b_down).
 // Rows of a 128-row block that the dense fallback owns (its active count above the threshold, the same
-// integer test the Triton dense kernels make) are skipped here.
+// integer test the dense-path kernels make, csrc/dense_block_test.cuh) are skipped here.
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -20,11 +20,12 @@
 
 #include <cstdint>
 
+#include "dense_block_test.cuh"
+
 namespace twell {
 namespace {
 
-constexpr int kListCap = 1024;     // active units gathered per chunk
-constexpr int kDecisionRows = 128;  // rows per dense/sparse decision block (matches the Triton kernels)
+constexpr int kListCap = 1024;  // active units gathered per chunk
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
@@ -109,10 +110,8 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
     int K, int D, int F, int n_tiles, int cap, int tile_n, int cols_per_split, int n_blocks, int thr_full,
     int thr_last, int thr_heavy) {
   const int64_t row = blockIdx.x;
-  const int blk = static_cast<int>(row / kDecisionRows);
-  // A dense block (the same test as the Triton dense kernels): too many active units, or heavy rows.
-  if (block_nnz[blk] > (blk == n_blocks - 1 ? thr_last : thr_full) ||
-      block_nnz[n_blocks + blk] > thr_heavy)
+  // Rows of dense blocks belong to the dense path (the same test as its kernels).
+  if (DenseBlockTest{block_nnz, n_blocks, thr_full, thr_last, thr_heavy}(static_cast<int>(row / kDecisionRows)))
     return;
   constexpr int kWarps = kThreads / 32;
 

@@ -182,3 +182,22 @@ def test_sparsity_stats_recorded_without_changing_results():
     assert call.rows == 1024 and call.max_nnz_per_row == 5632
     assert 20 < call.mean_nnz_per_row < 40
     assert call.overflow_rows >= 1
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_stale_memory_in_reused_buffers_is_never_read(gated, path):
+    """Without poisoning, work buffers come from the caching allocator holding whatever was there last.
+    Fill that memory with random bits first; the result must not depend on it."""
+    problem = make_problem(384, 64, 256, 64, nnz_per_row=128.0, gated=gated, bias=True)  # ~50%: most tiles overflow
+    args = problem.gated_args() if gated else problem.non_gated_args()
+    op = torch.ops.twell.gated_relu_mlp if gated else torch.ops.twell.relu_mlp
+    expected = (reference.gated_relu_mlp if gated else reference.relu_mlp)(*[None if t is None else t.double() for t in args])
+    dense_same_dtype = (reference.gated_relu_mlp if gated else reference.relu_mlp)(*args)
+    with kernel_config(**PATHS[path]):
+        for _ in range(3):
+            garbage = torch.randint(-2**31, 2**31 - 1, (1 << 22,), dtype=torch.int32, device="cuda")
+            del garbage  # its blocks go back to the allocator, random bits and all
+            out = op(*args)
+            _check(out, expected, dense_same_dtype, f"stale buffers gated={gated} path={path}")

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("twell_ext.cpp", "twell_sparse_mlp.cu")
+_SOURCES = ("twell_ext.cpp", "twell_sparse_mlp.cu", "twell_gemm.cu", "twell_gate_rebuild.cu")
+_HEADERS = ("hopper_ptx.cuh", "dense_block_test.cuh")
 _NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-gencode=arch=compute_90a,code=sm_90a"]
 
 
@@ -25,7 +26,7 @@ def csrc_dir() -> Path:
     """``csrc`` ships inside the package (``twell_compile/csrc``); an editable checkout has it at the root."""
     here = Path(__file__).resolve()
     for candidate in (here.parents[1] / "csrc", here.parents[2] / "csrc"):
-        if all((candidate / s).is_file() for s in _SOURCES):
+        if all((candidate / s).is_file() for s in _SOURCES + _HEADERS):
             return candidate
     raise FileNotFoundError(f"twell: CUDA sources {_SOURCES} not found next to {here.parents[1]}")
 
@@ -46,7 +47,7 @@ def cuda_extension():
     from torch.utils.cpp_extension import load
 
     sources = [csrc_dir() / s for s in _SOURCES]
-    build_dir = _cache_dir(sources)
+    build_dir = _cache_dir(sources + [csrc_dir() / h for h in _HEADERS])
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
         print(f"twell: compiling the CUDA kernels into {build_dir} (first use only; this takes a minute or two)...",
@@ -56,6 +57,7 @@ def cuda_extension():
         sources=[str(s) for s in sources],
         extra_cflags=["-O3", "-std=c++17"],
         extra_cuda_cflags=_NVCC_FLAGS,
+        extra_include_paths=[str(csrc_dir())],
         build_directory=str(build_dir),
         verbose=False,
     )

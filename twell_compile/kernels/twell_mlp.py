@@ -1,12 +1,15 @@
 """The TwELL path of the twell ops on CUDA: gate GEMM with packing epilogue, then sparse up + down.
 
 Per call, all on PyTorch's current stream, allocations through its caching allocator, no host sync:
-  1. ``gate_twell_kernel`` (Triton): relu(x W^T + b) packed per (row, N-tile), overflowing tiles to a
-     dense backup, active counts summed per 128-row block;
-  2. a block is dense when its active fraction exceeds ``config.dense_block_density`` (each kernel
-     compares the block's count with the same integer threshold);
-  3. ``sparse_mlp_out`` (CUDA, csrc/): sparse blocks' rows of the output;
-  4. ``dense_hidden_kernel`` + ``dense_down_kernel`` (Triton): dense blocks' rows, by dense GEMMs.
+  1. the gate GEMM (``csrc/twell_gemm.cu``: TMA + wgmma, warp-specialised, on 128 x 128 tiles; the
+     Triton ``gate_twell_kernel`` for decode-sized M and rows TMA cannot load): relu(x W^T + b) packed
+     per (row, N-tile), overflowing tiles to a dense backup, active counts summed per 128-row block;
+  2. a block is dense when its active fraction exceeds ``config.dense_block_density`` or it has many
+     overflowing row-tiles (each kernel makes the same integer test, ``csrc/dense_block_test.cuh``);
+  3. ``sparse_mlp_out`` (``csrc/twell_sparse_mlp.cu``): sparse blocks' rows of the output;
+  4. dense blocks' rows by dense GEMMs: relu(gate) rebuilt into the backup buffer, h = g * up in place,
+     out = h W_down^T (``csrc/twell_gate_rebuild.cu`` and the wgmma GEMM; Triton kernels where the
+     Triton gate ran or an operand is not TMA-able).
 Steps 3 and 4 skip the blocks the other owns, so every output row is written exactly once.
 """
 
@@ -28,9 +31,10 @@ DECISION_ROWS = triton_kernels.DECISION_ROWS
 
 @dataclasses.dataclass
 class KernelConfig:
-    dense_block_density: float = float(os.environ.get("TWELL_DENSE_BLOCK_DENSITY", "0.02"))
-    """A 128-row block whose fraction of active units exceeds this runs the dense GEMM path (2%: where
-    the sparse path stopped winning on an H200 at the 2B shape, see examples/bench_mlp.py)."""
+    dense_block_density: float = float(os.environ.get("TWELL_DENSE_BLOCK_DENSITY", "0.015"))
+    """A 128-row block whose fraction of active units exceeds this runs the dense GEMM path (1.5%, about
+    84 of 5632: where the forced-sparse and forced-dense paths crossed on an H200 at the 2B shape,
+    M = 131072: 16.4 against 16.9 ms at 81 active units per row)."""
     heavy_block_overflow_tiles: int = 16
     """A 128-row block with more (row, tile) pairs past capacity than this also runs the dense path: on
     the sparse path a row with hundreds of active units is one CTA's sequential work (a straggler)."""
@@ -115,43 +119,35 @@ def block_dense(block_stats: Tensor, m: int, f: int) -> Tensor:
     return (nnz > thresholds) | (overflow_tiles > _heavy_threshold())
 
 
-def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+# Poison for tests (config.poison_buffers): values that turn any read of an element a kernel should
+# have written, or should not have read, into NaN in the output rather than a plausible number.
+_POISON_WORD = 0x7FC00005  # a slot for column 5 whose value bits are a NaN (bf16 and fp16)
+_POISON_COUNT = 1000  # past any capacity: a stray count sends readers to the NaN-filled backup
+
+
+def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, int_poison: int = _POISON_COUNT) -> Tensor:
     if not config.poison_buffers:
         return torch.empty(shape, dtype=dtype, device=device)
-    fill = float("nan") if dtype.is_floating_point else (-7 if dtype == torch.int32 else 201)
-    return torch.full(shape, fill, dtype=dtype, device=device)
+    return torch.full(shape, float("nan") if dtype.is_floating_point else int_poison, dtype=dtype, device=device)
 
 
 def _contig(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.contiguous()
 
 
-def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight: Tensor | None,
-              up_bias: Tensor | None, down_weight: Tensor, down_bias: Tensor | None) -> Tensor:
-    """Gated when ``up_weight`` is given (``act_weight`` is the gate), non-gated otherwise
-    (``act_weight`` is the up projection and the ReLU output is the hidden activation)."""
-    gated = up_weight is not None
-    k = x.shape[-1]
+def _use_cuda_gate(plan: GatePlan, x2: Tensor, weight: Tensor) -> bool:
+    """The hand-written wgmma gate GEMM (csrc/twell_gate_gemm.cu) serves 128 x 128 tiles and TMA-able
+    operands (16-byte aligned rows, so K % 8 == 0); the Triton kernels cover the rest (decode-sized
+    tiles, odd K)."""
+    if os.environ.get("TWELL_GATE", "") == "triton":
+        return False
+    return (plan.block_m, plan.tile_n) == (128, 128) and _tma_ok(x2, weight)
+
+
+def _triton_gate(plan: GatePlan, x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, packed: Tensor,
+                 counts: Tensor, dense: Tensor, block_nnz: Tensor, n_tiles: int) -> None:
+    m, k = x2.shape
     f = act_weight.shape[0]
-    d = down_weight.shape[0]
-    x2 = x.reshape(-1, k).contiguous()
-    m = x2.shape[0]
-    out = _buffer((m, d), x.dtype, x.device)
-    if m == 0:
-        return out.view(*x.shape[:-1], d)
-    act_weight, act_bias, up_weight, up_bias, down_bias = map(_contig, (act_weight, act_bias, up_weight, up_bias, down_bias))
-    down_weight = down_weight.contiguous()
-
-    plan = gate_plan(m)
-    # A gate CTA's rows must lie in one 128-row decision block (it adds its count to that block).
-    assert DECISION_ROWS % plan.block_m == 0, plan
-    n_tiles = -(-f // plan.tile_n)
-    packed = _buffer((m, n_tiles, plan.cap), torch.int32, x.device)
-    counts = _buffer((m, n_tiles), torch.int32, x.device)
-    dense = _buffer((m, f), x.dtype, x.device)
-    n_blocks = -(-m // DECISION_ROWS)
-    block_nnz = torch.zeros(2 * n_blocks, dtype=torch.int32, device=x.device)  # active units; overflowed row-tiles
-
     grid = (-(-m // plan.block_m) * n_tiles,)
     common = dict(CAP=plan.cap, HAS_BIAS=act_bias is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.tile_n,
                   BLOCK_K=plan.block_k, GROUP_M=plan.group_m, num_warps=plan.num_warps, num_stages=plan.num_stages)
@@ -162,28 +158,25 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
         x_desc = TensorDescriptor.from_tensor(x2, [plan.block_m, plan.block_k])
         w_desc = TensorDescriptor.from_tensor(act_weight, [plan.tile_n, plan.block_k])
         dense_desc = TensorDescriptor.from_tensor(dense, [plan.block_m, plan.tile_n])
-        programs = min(grid[0], _num_sms(x.device))
+        programs = min(grid[0], _num_sms(x2.device))
         grid = (programs,)
         triton_kernels.gate_twell_tma_kernel[grid](
             x_desc, w_desc, bias_arg, packed, counts, dense_desc, block_nnz, m, f, k, n_tiles,
             NUM_PROGRAMS=programs,
-            VALUE_DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, **common)
+            VALUE_DTYPE=tl.bfloat16 if x2.dtype == torch.bfloat16 else tl.float16, **common)
     else:
         triton_kernels.gate_twell_kernel[grid](
             x2, act_weight, bias_arg, packed, counts, dense, block_nnz, m, f, k, x2.stride(0), act_weight.stride(0),
             n_tiles, EVEN_K=k % plan.block_k == 0, **common)
-    thr_full, thr_last = _dense_thresholds(m, f)
-    thr_heavy = _heavy_threshold()
 
-    w_down_t = DOWN_WEIGHT_T.transposed(down_weight)
-    vec8 = _vec8_ok(w_down_t, out, *((x2, up_weight) if gated else ()))
-    splits = _column_splits(m, d, x.device, vec8)
-    build.cuda_extension().sparse_mlp_out(
-        x2 if gated else None, packed, counts, dense, block_nnz, up_weight, up_bias, w_down_t, down_bias,
-        out, plan.tile_n, splits, _SPARSE_THREADS, thr_full, thr_last, thr_heavy,
-    )
 
-    # Dense path for the blocks too dense to pay (exits at once elsewhere). TMA loads when rows allow.
+def _triton_dense_path(plan: GatePlan, gated: bool, x2: Tensor, up_weight: Tensor | None, up_bias: Tensor | None,
+                       down_weight: Tensor, down_bias: Tensor | None, packed: Tensor, counts: Tensor, dense: Tensor,
+                       block_nnz: Tensor, out: Tensor, thresholds: tuple[int, int, int]) -> None:
+    m, k = x2.shape
+    f, d = dense.shape[1], out.shape[1]
+    n_tiles, n_blocks = packed.shape[1], block_nnz.numel() // 2
+    thr_full, thr_last, thr_heavy = thresholds
     dense_tma = _tma_ok(x2, down_weight, dense, out, *((up_weight,) if gated else ()))
     if dense_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -209,6 +202,64 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
         HAS_BIAS=down_bias is not None, BLOCK_N=128, BLOCK_K=64, EVEN_K=f % 64 == 0, USE_TMA=dense_tma,
         num_warps=4, num_stages=4,
     )
+
+
+def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight: Tensor | None,
+              up_bias: Tensor | None, down_weight: Tensor, down_bias: Tensor | None) -> Tensor:
+    """Gated when ``up_weight`` is given (``act_weight`` is the gate), non-gated otherwise
+    (``act_weight`` is the up projection and the ReLU output is the hidden activation)."""
+    gated = up_weight is not None
+    k = x.shape[-1]
+    f = act_weight.shape[0]
+    d = down_weight.shape[0]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    out = _buffer((m, d), x.dtype, x.device)
+    if m == 0:
+        return out.view(*x.shape[:-1], d)
+    act_weight, act_bias, up_weight, up_bias, down_bias = map(_contig, (act_weight, act_bias, up_weight, up_bias, down_bias))
+    down_weight = down_weight.contiguous()
+
+    plan = gate_plan(m)
+    # A gate CTA's rows must lie in one 128-row decision block (it adds its count to that block).
+    assert DECISION_ROWS % plan.block_m == 0, plan
+    n_tiles = -(-f // plan.tile_n)
+    packed = _buffer((m, n_tiles, plan.cap), torch.int32, x.device, _POISON_WORD)
+    counts = _buffer((m, n_tiles), torch.int32, x.device)
+    dense = _buffer((m, f), x.dtype, x.device)
+    n_blocks = -(-m // DECISION_ROWS)
+    block_nnz = torch.zeros(2 * n_blocks, dtype=torch.int32, device=x.device)  # active units; overflowed row-tiles
+
+    ext = build.cuda_extension()
+    cuda_gate = _use_cuda_gate(plan, x2, act_weight)
+    if cuda_gate:
+        ext.gate_twell_gemm(x2, act_weight, act_bias, packed, counts, dense, block_nnz, _num_sms(x.device))
+    else:
+        _triton_gate(plan, x2, act_weight, act_bias, packed, counts, dense, block_nnz, n_tiles)
+    thr_full, thr_last = _dense_thresholds(m, f)
+    thr_heavy = _heavy_threshold()
+
+    w_down_t = DOWN_WEIGHT_T.transposed(down_weight)
+    vec8 = _vec8_ok(w_down_t, out, *((x2, up_weight) if gated else ()))
+    splits = _column_splits(m, d, x.device, vec8)
+    ext.sparse_mlp_out(
+        x2 if gated else None, packed, counts, dense, block_nnz, up_weight, up_bias, w_down_t, down_bias,
+        out, plan.tile_n, splits, _SPARSE_THREADS, thr_full, thr_last, thr_heavy,
+    )
+
+    # Dense path for the blocks too dense to pay (its kernels skip the others): relu(gate) rebuilt into
+    # `dense`, h = g * up in place there, then out = h W_down^T, by the wgmma GEMMs when the gate was
+    # (128-wide tiles) and every operand is TMA-able, else by the Triton kernels.
+    thresholds = (thr_full, thr_last, thr_heavy)
+    operands = (x2, down_weight, dense, out, *((up_weight,) if gated else ()))
+    if cuda_gate and _tma_ok(*operands) and os.environ.get("TWELL_DENSE_PATH", "") != "triton":
+        ext.rebuild_dense_gate(packed, counts, dense, block_nnz, *thresholds)
+        if gated:
+            ext.dense_block_gemm(x2, up_weight, up_bias, dense, block_nnz, True, *thresholds, _num_sms(x.device))
+        ext.dense_block_gemm(dense, down_weight, down_bias, out, block_nnz, False, *thresholds, _num_sms(x.device))
+    else:
+        _triton_dense_path(plan, gated, x2, up_weight, up_bias, down_weight, down_bias, packed, counts, dense,
+                           block_nnz, out, thresholds)
 
     recorder = stats.active_recorder()
     if recorder is not None:

@@ -1,0 +1,121 @@
+// Dense path, first step: for the rows of 128-row blocks the device-side test marks dense, expands the
+// TwELL gate (packed slots, or the backup row of an overflowing tile) into relu(gate) in `dense`, which
+// the dense-path GEMMs (csrc/twell_gemm.cu) then read. Tiles of sparse blocks exit at once.
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+
+#include "dense_block_test.cuh"
+
+namespace twell {
+namespace {
+
+constexpr int kTileN = 128;  // the TwELL tile of the CUDA gate GEMM
+constexpr int kThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ bool is_active(uint16_t bits);  // relu keeps v > 0 and NaN, as eager does
+template <>
+__device__ __forceinline__ bool is_active<__nv_bfloat16>(uint16_t bits) {
+  const float v = __uint_as_float(static_cast<uint32_t>(bits) << 16);
+  return v > 0.f || v != v;
+}
+template <>
+__device__ __forceinline__ bool is_active<__half>(uint16_t bits) {
+  const float v = __half2float(__ushort_as_half(bits));
+  return v > 0.f || v != v;
+}
+
+// One CTA per (128-row block, tile). A warp expands one row's tile at a time, each lane 4 columns; the
+// count, the slots and the backup are loaded independently (no dependent chain), then selected.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) rebuild_dense_gate_kernel(const uint32_t* __restrict__ packed,
+                                                                      const int* __restrict__ counts,
+                                                                      uint16_t* __restrict__ dense, DenseBlockTest test,
+                                                                      int M, int F, int n_tiles, int cap) {
+  const int blk = blockIdx.x, tile = blockIdx.y;
+  if (!test(blk)) return;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int col0 = tile * kTileN + lane * 4;  // this lane's first column
+  const bool vec = (F % 4) == 0 && col0 + 4 <= F;
+  const int row_end = min(M, (blk + 1) * kDecisionRows);
+#pragma unroll 4
+  for (int64_t row = static_cast<int64_t>(blk) * kDecisionRows + warp; row < row_end; row += kThreads / 32) {
+    const int64_t row_tile = row * n_tiles + tile;
+    const int count = counts[row_tile];
+    // Slots are valid only for a tile that fit (an overflowing tile wrote its backup and no slots).
+    const int slots = count > cap ? 0 : count;
+    const uint32_t word = lane < slots ? packed[row_tile * cap + lane] : 0u;
+    uint16_t* p = dense + row * F + col0;
+    uint16_t v[4];
+    if (count > cap) {  // the backup holds the pre-activation
+      if (vec) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(p);
+        v[0] = raw.x & 0xffffu; v[1] = raw.x >> 16; v[2] = raw.y & 0xffffu; v[3] = raw.y >> 16;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = col0 + e < F ? p[e] : 0;
+      }
+    } else {
+      v[0] = v[1] = v[2] = v[3] = 0;
+    }
+    for (int s = 0; s < slots; ++s) {  // a slot lands in the lane that owns its column
+      const uint32_t w = __shfl_sync(0xffffffffu, word, s);
+      const int local = static_cast<int>(w & 0xffffu) - lane * 4;
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (local == e) v[e] = static_cast<uint16_t>(w >> 16);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = is_active<T>(v[e]) ? v[e] : 0;
+    if (vec) {
+      *reinterpret_cast<uint2*>(p) = make_uint2(v[0] | (static_cast<uint32_t>(v[1]) << 16), v[2] | (static_cast<uint32_t>(v[3]) << 16));
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (col0 + e < F) p[e] = v[e];
+    }
+  }
+}
+
+}  // namespace
+
+void rebuild_dense_gate(const at::Tensor& packed, const at::Tensor& counts, at::Tensor& dense,
+                        const at::Tensor& block_nnz, int64_t thr_full, int64_t thr_last, int64_t thr_heavy) {
+  TORCH_CHECK(packed.is_cuda() && packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kInt,
+              "twell: packed must be a contiguous int32 CUDA [M, tiles, cap] tensor");
+  const int64_t M = packed.size(0), n_tiles = packed.size(1);
+  TORCH_CHECK(counts.sizes() == at::IntArrayRef({M, n_tiles}) && counts.is_contiguous() && counts.scalar_type() == at::kInt,
+              "twell: counts must be int32 [M, tiles]");
+  TORCH_CHECK(dense.dim() == 2 && dense.size(0) == M && dense.is_contiguous() &&
+                  (dense.size(1) + kTileN - 1) / kTileN == n_tiles &&
+                  (dense.scalar_type() == at::kBFloat16 || dense.scalar_type() == at::kHalf),
+              "twell: dense must be a contiguous bfloat16/float16 [M, F] tensor with ceil(F / 128) tiles");
+  const int64_t n_blocks = (M + kDecisionRows - 1) / kDecisionRows;
+  TORCH_CHECK(block_nnz.numel() == 2 * n_blocks && block_nnz.is_contiguous() && block_nnz.scalar_type() == at::kInt,
+              "twell: block_nnz must be int32 [2 * ceil(M / 128)]");
+  TORCH_CHECK(packed.size(2) <= 32, "twell: the gate rebuild reads at most 32 slots per tile");
+  TORCH_CHECK(M < (int64_t{1} << 31) && n_tiles <= 65535 && thr_full >= 0 && thr_last >= 0 && thr_heavy >= 0 &&
+                  thr_full <= INT32_MAX && thr_last <= INT32_MAX && thr_heavy <= INT32_MAX,
+              "twell: sizes or thresholds out of range");
+  if (M == 0) return;
+  const c10::cuda::CUDAGuard guard(dense.device());
+  const DenseBlockTest test{block_nnz.data_ptr<int>(), static_cast<int>(n_blocks), static_cast<int>(thr_full),
+                            static_cast<int>(thr_last), static_cast<int>(thr_heavy)};
+  const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(n_tiles));
+  auto kernel = dense.scalar_type() == at::kBFloat16 ? rebuild_dense_gate_kernel<__nv_bfloat16>
+                                                     : rebuild_dense_gate_kernel<__half>;
+  kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const uint32_t*>(packed.data_ptr<int>()), counts.data_ptr<int>(),
+      reinterpret_cast<uint16_t*>(dense.data_ptr()), test, static_cast<int>(M), static_cast<int>(dense.size(1)),
+      static_cast<int>(n_tiles), static_cast<int>(packed.size(2)));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace twell

@@ -1,0 +1,478 @@
+// The wgmma GEMM engine of the TwELL path, hand-written for Hopper (sm_90a): TMA loads, wgmma, warp
+// specialisation, persistent CTAs. C = A B^T (+ bias) for A [M, K] and B [N, K], both K-major (as
+// activations and nn.Linear weights are stored), fp32 accumulation, with one of three epilogues:
+//
+// * TwELL pack (the gate GEMM; the up GEMM of a non-gated block): relu(x W^T + b) is never written
+//   densely. Per (row, 128-wide N-tile), straight from the accumulator registers:
+//     counts[row, tile]        the true number of active units (value > 0, or NaN as eager propagates);
+//     packed[row, tile, slot]  for count <= cap: one word per active unit, value bits << 16 | column;
+//     dense[row, tile cols]    for count > cap: the tile's row of rounded pre-activations (readers apply
+//                              the ReLU), so an overflowing tile is still exact;
+//     block_nnz[blk], block_nnz[n_blocks + blk]   per 128-row block, active units and row-tiles past cap
+//                              (one atomic per warp), which decide the block's sparse or dense path.
+// * Gate times up (dense path, gated): h = g * round(x W_up^T + b) with g read from, and h written back
+//   to, the same place in `dense` (which the gate rebuild filled with relu(gate) for dense blocks).
+// * Store (dense path, down projection): out = round(h W_down^T + b).
+// The dense-path epilogues run only the tiles of 128-row blocks the device-side test marks dense; the
+// others are skipped without loading anything, so the host never needs to know which blocks they are.
+//
+// CTA = 3 warpgroups. Warpgroup 0 is the producer: one thread streams (A, B) K-slices into a ring of
+// shared-memory stages with TMA. Warpgroups 1 and 2 are consumers that take alternate output tiles
+// (128 x 128 each, two m64n128k16 wgmma chains): while one runs its epilogue, the other's MMAs run, so
+// the epilogue hides behind the tensor cores ("ping-pong"). A consumer starts waiting for its tile's
+// K-slices only once the other has received all of its own ("turn" barriers): the mainloops then run
+// one after the other, and no consumer waits on a ring stage more than one phase ahead (mbarrier parity
+// waits cannot tell phases two apart).
+//
+// The epilogues need no shared memory: in the wgmma accumulator layout a row's 128 columns sit in the 4
+// lanes of a quad (32 each), so a row's count and each lane's slot offset are a popcount and two shuffles.
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+
+#include "dense_block_test.cuh"
+#include "hopper_ptx.cuh"
+
+namespace twell {
+namespace {
+
+constexpr int kBlockM = 128;  // = the dense/sparse decision block: a tile belongs to exactly one block
+constexpr int kBlockN = 128;  // = the TwELL tile
+constexpr int kBlockK = 64;   // 64 x 2 bytes = one 128-byte swizzle row
+constexpr int kStages = 6;
+constexpr int kThreads = 384;
+constexpr int kTileBytes = kBlockM * kBlockK * 2;  // A and B slices are the same size
+constexpr int kStageBytes = 2 * kTileBytes;
+constexpr int kSmemBytes = kStages * kStageBytes + 1024 /* alignment */ + (2 * kStages + 2) * 8 /* barriers */;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers
+
+template <typename T>
+struct Rounding;
+template <>
+struct Rounding<__nv_bfloat16> {
+  static constexpr bool kBF16 = true;
+  __device__ static uint32_t bits(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+  __device__ static float value(uint32_t bits) { return __uint_as_float(bits << 16); }
+  __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+};
+template <>
+struct Rounding<__half> {
+  static constexpr bool kBF16 = false;
+  __device__ static uint32_t bits(float v) { return __half_as_ushort(__float2half_rn(v)); }
+  __device__ static float value(uint32_t bits) { return __half2float(__ushort_as_half(static_cast<unsigned short>(bits))); }
+  __device__ static float to_float(__half v) { return __half2float(v); }
+};
+
+// Grouped tile order: CTAs running at the same time share x row-blocks and W column-blocks in L2.
+__device__ __forceinline__ void tile_coords(int tile, int n_tiles_m, int n_tiles_n, int group_m, int& pm, int& pn) {
+  const int in_group = group_m * n_tiles_n;
+  const int first_m = (tile / in_group) * group_m;
+  const int rows_in_group = min(n_tiles_m - first_m, group_m);
+  const int r = tile % in_group;
+  pm = first_m + r % rows_in_group;
+  pn = r / rows_in_group;
+}
+
+// Keeps the compiler from moving accumulator registers while wgmma owns them.
+__device__ __forceinline__ void fence_operands(float (&acc)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+enum class Epilogue { kTwellPack, kGateTimesUp, kStore };
+
+struct EpilogueArgs {
+  const void* bias;  // [N] or null
+  void* c;           // [M, N]: the overflow backup (pack), g in / h out (gate times up), out (store)
+  uint32_t* packed;  // pack only
+  int* counts;       // pack only
+  int* block_nnz;    // written by pack, read by the dense-path epilogues
+  int M, N, n_tiles_n, cap;
+  DenseBlockTest dense_test;  // dense-path epilogues only
+};
+
+// Packs the 64 rows one accumulator chain holds (rows r0 and r0 + 8 of this thread, see hopper_ptx.cuh).
+// Returns this thread's share of the tile's active units and overflowed rows (lanes with lane % 4 == 0
+// report their rows).
+template <typename T>
+__device__ __forceinline__ void pack_rows(const float (&acc)[64], int row0, int pn,
+                                          int cols_left, int lane, const EpilogueArgs& args, int& nnz,
+                                          int& overflowed) {
+  const int lq = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + 8 * half;
+    const bool row_ok = row < args.M;
+    uint32_t mask = 0;
+#pragma unroll
+    for (int b = 0; b < 32; ++b) {
+      const int col = (b >> 1) * 8 + lq * 2 + (b & 1);
+      const float v = Rounding<T>::value(Rounding<T>::bits(acc[4 * (b >> 1) + 2 * half + (b & 1)]));
+      const bool active = (v > 0.f || v != v) && col < cols_left;
+      mask |= static_cast<uint32_t>(active) << b;
+    }
+    if (!row_ok) mask = 0;
+    // Offsets inside the row: lanes of a quad in order, each lane's units in column order.
+    const int mine = __popc(mask);
+    int incl = mine;
+    int up = __shfl_up_sync(0xffffffffu, incl, 1, 4);
+    if (lq >= 1) incl += up;
+    up = __shfl_up_sync(0xffffffffu, incl, 2, 4);
+    if (lq >= 2) incl += up;
+    const int total = __shfl_sync(0xffffffffu, incl, 3, 4);
+    const int first = incl - mine;
+    if (row_ok) {
+      const int64_t row_tile = static_cast<int64_t>(row) * args.n_tiles_n + pn;
+      if (lq == 0) args.counts[row_tile] = total;
+      if (total <= args.cap) {
+        uint32_t* slots = args.packed + row_tile * args.cap;
+#pragma unroll
+        for (int b = 0; b < 32; ++b) {
+          if (mask & (1u << b)) {
+            const uint32_t bits = Rounding<T>::bits(acc[4 * (b >> 1) + 2 * half + (b & 1)]);
+            const uint32_t col = (b >> 1) * 8 + lq * 2 + (b & 1);
+            slots[first + __popc(mask & ((1u << b) - 1u))] = (bits << 16) | col;
+          }
+        }
+      } else {  // rare: the row's whole tile (pre-activation, rounded) goes to the backup
+        uint16_t* dense_row = static_cast<uint16_t*>(args.c) + static_cast<int64_t>(row) * args.N +
+                              static_cast<int64_t>(pn) * kBlockN;
+#pragma unroll
+        for (int b = 0; b < 32; ++b) {
+          const int col = (b >> 1) * 8 + lq * 2 + (b & 1);
+          if (col < cols_left)
+            dense_row[col] = static_cast<uint16_t>(Rounding<T>::bits(acc[4 * (b >> 1) + 2 * half + (b & 1)]));
+        }
+      }
+    }
+    if (lq == 0) {
+      nnz += total;
+      overflowed += total > args.cap;
+    }
+  }
+}
+
+// Dense-path epilogues for the 64 rows one accumulator chain holds: h = g * round(acc) in place in
+// `c` (kGateTimesUp), or c = round(acc) (kStore). Bias is already folded into acc.
+template <typename T, Epilogue kMode>
+__device__ __forceinline__ void store_rows(const float (&acc)[64], int row0, int pn, int cols_left, int lane,
+                                           const EpilogueArgs& args) {
+  const int lq = lane & 3;
+  const bool pairs = (args.N & 1) == 0;  // two adjacent columns as one 4-byte access
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + 8 * half;
+    if (row >= args.M) continue;
+    uint16_t* c_row = static_cast<uint16_t*>(args.c) + static_cast<int64_t>(row) * args.N +
+                      static_cast<int64_t>(pn) * kBlockN;
+#pragma unroll
+    for (int q = 0; q < 16; ++q) {
+      const int col = q * 8 + lq * 2;
+      uint32_t v0 = Rounding<T>::bits(acc[4 * q + 2 * half]);
+      uint32_t v1 = Rounding<T>::bits(acc[4 * q + 2 * half + 1]);
+      if (pairs && col + 1 < cols_left) {
+        uint32_t* p = reinterpret_cast<uint32_t*>(c_row + col);
+        if constexpr (kMode == Epilogue::kGateTimesUp) {
+          const uint32_t g = *p;
+          v0 = Rounding<T>::bits(Rounding<T>::value(g & 0xffffu) * Rounding<T>::value(v0));
+          v1 = Rounding<T>::bits(Rounding<T>::value(g >> 16) * Rounding<T>::value(v1));
+        }
+        *p = v0 | (v1 << 16);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (col + e < cols_left) {
+            uint32_t v = e ? v1 : v0;
+            if constexpr (kMode == Epilogue::kGateTimesUp)
+              v = Rounding<T>::bits(Rounding<T>::value(c_row[col + e]) * Rounding<T>::value(v));
+            c_row[col + e] = static_cast<uint16_t>(v);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T, Epilogue kMode>
+__global__ void __launch_bounds__(kThreads, 1) twell_gemm_kernel(
+    const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map, EpilogueArgs args,
+    int K, int n_tiles_m, int group_m) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint64_t* empty = full + kStages;
+  uint64_t* turn = empty + kStages;  // turn[c]: the other consumer has received its tile's last K-slice
+
+  const int n_tiles_n = args.n_tiles_n;
+  const int total_tiles = n_tiles_m * n_tiles_n;
+  const int k_steps = (K + kBlockK - 1) / kBlockK;
+  const int warpgroup = threadIdx.x / 128;
+  // Dense-path epilogues skip the tiles of sparse blocks; every role applies the same test, so the k-th
+  // tile it keeps is the same for all (consumer k % 2 computes it, at ring position k * k_steps).
+  auto skipped = [&](int pm) {
+    if constexpr (kMode == Epilogue::kTwellPack) {
+      return false;
+    } else {
+      return !args.dense_test(pm);
+    }
+  };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&full[s], 1);   // the producer's expect_tx arrival (+ the TMA bytes)
+      ptx::mbarrier_init(&empty[s], 4);  // one arrival per warp of the consuming warpgroup
+    }
+    for (int c = 0; c < 2; ++c) ptx::mbarrier_init(&turn[c], 4);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {  // producer
+    ptx::setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      ptx::prefetch_tensor_map(&a_map);
+      ptx::prefetch_tensor_map(&b_map);
+      uint32_t it = 0;
+      for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+        int pm, pn;
+        tile_coords(tile, n_tiles_m, n_tiles_n, group_m, pm, pn);
+        if (skipped(pm)) continue;
+        for (int ks = 0; ks < k_steps; ++ks, ++it) {
+          const uint32_t stage = it % kStages;
+          ptx::mbarrier_wait(&empty[stage], ((it / kStages) & 1) ^ 1);
+          ptx::mbarrier_arrive_expect_tx(&full[stage], kStageBytes);
+          uint8_t* dst = smem + stage * kStageBytes;
+          ptx::tma_load_2d(dst, &a_map, &full[stage], ks * kBlockK, pm * kBlockM);
+          ptx::tma_load_2d(dst + kTileBytes, &b_map, &full[stage], ks * kBlockK, pn * kBlockN);
+        }
+      }
+    }
+    return;
+  }
+
+  ptx::setmaxnreg_inc<kConsumerRegs>();
+  const int consumer = warpgroup - 1;
+  const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+  float acc_top[64], acc_bottom[64];  // rows 0-63 and 64-127 of the tile
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc_top[i] = acc_bottom[i] = 0.f;
+
+  int kept = 0;  // tiles of this CTA's sequence that were not skipped, by either consumer
+  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    int pm, pn;
+    tile_coords(tile, n_tiles_m, n_tiles_n, group_m, pm, pn);
+    if (skipped(pm)) continue;
+    const int j = kept++;
+    if (j % 2 != consumer) continue;
+    // Tile j waits until the other consumer has all of tile j - 1 (its ((j - 1) / 2)-th turn).
+    if (j > 0) ptx::mbarrier_wait(&turn[consumer], ((j - 1) / 2) & 1);
+    uint32_t it = static_cast<uint32_t>(j) * k_steps;
+    uint32_t prev_stage = 0;
+    for (int ks = 0; ks < k_steps; ++ks, ++it) {
+      const uint32_t stage = it % kStages;
+      ptx::mbarrier_wait(&full[stage], (it / kStages) & 1);
+      const uint8_t* a = smem + stage * kStageBytes;
+      const uint64_t desc_a = ptx::sw128_kmajor_desc(a);
+      const uint64_t desc_b = ptx::sw128_kmajor_desc(a + kTileBytes);
+      fence_operands(acc_top);
+      fence_operands(acc_bottom);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk) {
+        const int scale_d = (ks | kk) != 0;
+        // +32 bytes per 16-element K step; the bottom half starts 64 rows (8 KB) further.
+        ptx::wgmma_m64n128k16<Rounding<T>::kBF16>(acc_top, desc_a + 2 * kk, desc_b + 2 * kk, scale_d);
+        ptx::wgmma_m64n128k16<Rounding<T>::kBF16>(acc_bottom, desc_a + 512 + 2 * kk, desc_b + 2 * kk, scale_d);
+      }
+      ptx::wgmma_commit();
+      if (ks == k_steps - 1 && lane == 0) ptx::mbarrier_arrive(&turn[1 - consumer]);
+      fence_operands(acc_top);
+      fence_operands(acc_bottom);
+      ptx::wgmma_wait<1>();  // the previous slice's MMAs are done: its stage can be refilled
+      if (ks > 0 && lane == 0) ptx::mbarrier_arrive(&empty[prev_stage]);
+      prev_stage = stage;
+    }
+    ptx::wgmma_wait<0>();
+    fence_operands(acc_top);
+    fence_operands(acc_bottom);
+    if (lane == 0) ptx::mbarrier_arrive(&empty[prev_stage]);
+
+    // Epilogue.
+    const int cols_left = args.N - pn * kBlockN;
+    if (args.bias != nullptr) {  // folded into the accumulators (each column's bias serves 4 of them)
+#pragma unroll
+      for (int b = 0; b < 32; ++b) {
+        const int col = (b >> 1) * 8 + (lane & 3) * 2 + (b & 1);
+        const float bias = col < cols_left ? Rounding<T>::to_float(static_cast<const T*>(args.bias)[pn * kBlockN + col]) : 0.f;
+        const int i = 4 * (b >> 1) + (b & 1);
+        acc_top[i] += bias;
+        acc_top[i + 2] += bias;
+        acc_bottom[i] += bias;
+        acc_bottom[i + 2] += bias;
+      }
+    }
+    const int row0 = pm * kBlockM + warp * 16 + lane / 4;
+    if constexpr (kMode == Epilogue::kTwellPack) {
+      int nnz = 0, overflowed = 0;
+      pack_rows<T>(acc_top, row0, pn, cols_left, lane, args, nnz, overflowed);
+      pack_rows<T>(acc_bottom, row0 + 64, pn, cols_left, lane, args, nnz, overflowed);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        nnz += __shfl_xor_sync(0xffffffffu, nnz, o);
+        overflowed += __shfl_xor_sync(0xffffffffu, overflowed, o);
+      }
+      if (lane == 0) {
+        if (nnz) atomicAdd(&args.block_nnz[pm], nnz);
+        if (overflowed) atomicAdd(&args.block_nnz[n_tiles_m + pm], overflowed);
+      }
+    } else {
+      store_rows<T, kMode>(acc_top, row0, pn, cols_left, lane, args);
+      store_rows<T, kMode>(acc_bottom, row0 + 64, pn, cols_left, lane, args);
+    }
+  }
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
+                "twell: the CUDA driver does not provide cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// [rows, K] K-major operand, read as 128 x 64 boxes with the 128-byte swizzle wgmma expects.
+CUtensorMap operand_map(const at::Tensor& t) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(t.size(1)), static_cast<cuuint64_t>(t.size(0))};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(t.stride(0)) * t.element_size()};
+  const cuuint32_t box[2] = {kBlockK, kBlockM};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &map, t.scalar_type() == at::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+      t.data_ptr(), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "twell: cuTensorMapEncodeTiled failed with error ", static_cast<int>(r));
+  return map;
+}
+
+template <typename T, Epilogue kMode>
+void launch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, int ctas) {
+  auto kernel = twell_gemm_kernel<T, kMode>;
+  // Per call, not cached: the attribute belongs to the current device's context.
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const CUtensorMap a_map = operand_map(a), b_map = operand_map(b);
+  const int n_tiles_m = static_cast<int>((a.size(0) + kBlockM - 1) / kBlockM);
+  const int grid = static_cast<int>(std::min<int64_t>(std::max<int64_t>(ctas, 1), int64_t{n_tiles_m} * args.n_tiles_n));
+  constexpr int kGroupM = 8;
+  kernel<<<grid, kThreads, kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(
+      a_map, b_map, args, static_cast<int>(a.size(1)), n_tiles_m, kGroupM);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <Epilogue kMode>
+void dispatch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, int64_t ctas) {
+  const c10::cuda::CUDAGuard guard(a.device());
+  if (a.scalar_type() == at::kBFloat16) {
+    launch<__nv_bfloat16, kMode>(a, b, args, static_cast<int>(ctas));
+  } else {
+    launch<__half, kMode>(a, b, args, static_cast<int>(ctas));
+  }
+}
+
+bool tma_compatible(const at::Tensor& t) {
+  return t.dim() == 2 && t.stride(1) == 1 && (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16) == 0 &&
+         (t.stride(0) * t.element_size()) % 16 == 0;
+}
+
+// Shapes and dtypes shared by every entry point: C [M, N] = A [M, K] B [N, K]^T (+ bias [N]).
+void check_operands(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, const at::Tensor& c) {
+  TORCH_CHECK(a.is_cuda() && b.device() == a.device() && c.device() == a.device(), "twell: operands must be on one CUDA device");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && c.scalar_type() == a.scalar_type() &&
+                  (a.scalar_type() == at::kBFloat16 || a.scalar_type() == at::kHalf),
+              "twell: the GEMM takes bfloat16 or float16 operands of one dtype");
+  TORCH_CHECK(tma_compatible(a) && tma_compatible(b), "twell: the GEMM needs 16-byte aligned rows (K % 8 == 0)");
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
+  TORCH_CHECK(b.size(1) == K && K > 0, "twell: A [M, K] and B [N, K] disagree");
+  TORCH_CHECK(M < (int64_t{1} << 31) && N < (int64_t{1} << 31) && K < (int64_t{1} << 31), "twell: sizes past 2^31");
+  TORCH_CHECK(((M + kBlockM - 1) / kBlockM) * ((N + kBlockN - 1) / kBlockN) < (int64_t{1} << 31), "twell: too many output tiles");
+  TORCH_CHECK(c.sizes() == at::IntArrayRef({M, N}) && c.is_contiguous(), "twell: C must be a contiguous [M, N] tensor");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == a.scalar_type(),
+                "twell: bias must be [N] in the operands' dtype");
+  }
+}
+
+void check_block_nnz(const at::Tensor& block_nnz, int64_t M) {
+  TORCH_CHECK(block_nnz.numel() == 2 * ((M + kBlockM - 1) / kBlockM) && block_nnz.is_contiguous() &&
+                  block_nnz.scalar_type() == at::kInt && block_nnz.device() == block_nnz.device(),
+              "twell: block_nnz must be int32 [2 * ceil(M / 128)]");
+}
+
+}  // namespace
+
+// TwELL-pack epilogue (see the file comment). `ctas`: the persistent grid (the number of SMs).
+void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                     at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz, int64_t ctas) {
+  check_operands(x, w, bias, dense);
+  const int64_t M = x.size(0), F = w.size(0);
+  const int64_t n_tiles_n = (F + kBlockN - 1) / kBlockN;
+  TORCH_CHECK(packed.dim() == 3 && packed.size(0) == M && packed.size(1) == n_tiles_n && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kInt && packed.size(2) >= 1,
+              "twell: packed must be int32 [M, ceil(F / 128), cap]");
+  TORCH_CHECK(counts.sizes() == at::IntArrayRef({M, n_tiles_n}) && counts.is_contiguous() && counts.scalar_type() == at::kInt,
+              "twell: counts must be int32 [M, ceil(F / 128)]");
+  check_block_nnz(block_nnz, M);
+  if (M == 0) return;
+  EpilogueArgs args{};
+  args.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  args.c = dense.data_ptr();
+  args.packed = reinterpret_cast<uint32_t*>(packed.data_ptr<int>());
+  args.counts = counts.data_ptr<int>();
+  args.block_nnz = block_nnz.data_ptr<int>();
+  args.M = static_cast<int>(M);
+  args.N = static_cast<int>(F);
+  args.n_tiles_n = static_cast<int>(n_tiles_n);
+  args.cap = static_cast<int>(packed.size(2));
+  dispatch<Epilogue::kTwellPack>(x, w, args, ctas);
+}
+
+// Dense path, rows of dense blocks only: c = a b^T (+ bias), or with `gate_times_up`, c = c * (a b^T + bias)
+// in place (c holds relu(gate) there). The thresholds are those of the sparse kernel's test.
+void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
+                      const at::Tensor& block_nnz, bool gate_times_up, int64_t thr_full, int64_t thr_last,
+                      int64_t thr_heavy, int64_t ctas) {
+  check_operands(a, b, bias, c);
+  const int64_t M = a.size(0);
+  check_block_nnz(block_nnz, M);
+  TORCH_CHECK(thr_full >= 0 && thr_last >= 0 && thr_heavy >= 0 && thr_full <= INT32_MAX && thr_last <= INT32_MAX &&
+                  thr_heavy <= INT32_MAX, "twell: bad thresholds");
+  if (M == 0) return;
+  EpilogueArgs args{};
+  args.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  args.c = c.data_ptr();
+  args.M = static_cast<int>(M);
+  args.N = static_cast<int>(b.size(0));
+  args.n_tiles_n = static_cast<int>((b.size(0) + kBlockN - 1) / kBlockN);
+  args.dense_test = DenseBlockTest{block_nnz.data_ptr<int>(), static_cast<int>(block_nnz.numel() / 2),
+                                   static_cast<int>(thr_full), static_cast<int>(thr_last), static_cast<int>(thr_heavy)};
+  if (gate_times_up) {
+    dispatch<Epilogue::kGateTimesUp>(a, b, args, ctas);
+  } else {
+    dispatch<Epilogue::kStore>(a, b, args, ctas);
+  }
+}
+
+}  // namespace twell

@@ -1,0 +1,99 @@
+"""The wgmma gate GEMM's TwELL output against a float64 reference (``pytest -m cuda``).
+
+Checks the format itself, not just the MLP built on it: every (row, tile) count is the true number of
+active units, packed slots hold exactly the active (column, value) pairs, overflowing tiles hold the
+rounded pre-activation in the backup, and the per-block totals that steer the dense/sparse decision
+add up. Buffers start poisoned, so anything the kernel should have written and did not shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import requires_twell_kernels
+from twell_compile.testing import make_problem
+
+pytestmark = pytest.mark.cuda
+TILE = 128
+
+
+def _run_gate(x, w, bias, cap=8):
+    from twell_compile.kernels import build
+
+    m, f = x.shape[0], w.shape[0]
+    tiles = -(-f // TILE)
+    packed = torch.full((m, tiles, cap), -7, dtype=torch.int32, device=x.device)
+    counts = torch.full((m, tiles), -7, dtype=torch.int32, device=x.device)
+    dense = torch.full((m, f), float("nan"), dtype=x.dtype, device=x.device)
+    block_nnz = torch.zeros(2 * -(-m // 128), dtype=torch.int32, device=x.device)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    build.cuda_extension().gate_twell_gemm(x, w, bias, packed, counts, dense, block_nnz, sms)
+    return packed, counts, dense, block_nnz
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("m,k,f,nnz,skew", [
+    (300, 264, 1000, 20.0, False),   # tails in M and F, K of 264 (not a multiple of 64)
+    (4097, 2048, 5632, 24.0, False),  # the 2B shape, many tiles per CTA (ping-pong and ring wrap-around)
+    (1000, 2048, 5632, 600.0, False),  # almost every tile past capacity
+    (2048, 2048, 5632, 40.0, True),   # skewed: heavy rows and units
+    (129, 8, 130, 20.0, False),       # one K step, one column past a tile
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_gate_gemm_writes_exact_twell(m, k, f, nnz, skew, dtype, bias):
+    problem = make_problem(m, k, f, nnz_per_row=nnz, skew=skew, dtype=dtype, bias=bias)
+    x, w, b = problem.x, problem.gate_weight, problem.gate_bias
+    cap = 8
+    packed, counts, dense, block_nnz = _run_gate(x, w, b, cap)
+    torch.cuda.synchronize()
+
+    tiles = -(-f // TILE)
+    pre64 = x.double() @ w.double().t() + (b.double() if b is not None else 0.0)
+    ref_bits = pre64.to(dtype)  # what eager's linear rounds to
+    active = torch.zeros(m, tiles * TILE, dtype=torch.bool, device=x.device)
+    active[:, :f] = ref_bits > 0
+    ref_counts = active.view(m, tiles, TILE).sum(-1).int()
+    # fp32 accumulation order may flip a value within an ulp of zero: allow a few in ten thousand
+    assert (counts != ref_counts).sum().item() <= max(2, counts.numel() // 5000)
+
+    # Rebuild relu(gate) from the format and compare with the reference.
+    gate = torch.zeros(m, tiles, TILE, dtype=torch.float64, device=x.device)
+    fits = counts <= cap
+    slot = torch.arange(cap, device=x.device)
+    live = (slot < counts[..., None]) & fits[..., None]
+    words = packed.long() & 0xFFFFFFFF
+    cols = words & 0xFFFF
+    assert (cols[live] < TILE).all()
+    values = ((words >> 16) & 0xFFFF).to(torch.int16).view(dtype).double()
+    r, t, s = live.nonzero(as_tuple=True)
+    hits = torch.zeros_like(gate).index_put_((r, t, cols[r, t, s]), torch.ones_like(values[r, t, s]), accumulate=True)
+    assert hits.max() <= 1, "a column was packed twice"
+    gate[r, t, cols[r, t, s]] = values[r, t, s]
+    backup = torch.zeros(m, tiles * TILE, dtype=torch.float64, device=x.device)
+    backup[:, :f] = dense.double()
+    gate = torch.where(fits[..., None], gate, backup.view(m, tiles, TILE).relu())
+    expected = torch.zeros(m, tiles * TILE, dtype=torch.float64, device=x.device)
+    expected[:, :f] = ref_bits.double().relu()
+    assert not gate.isnan().any(), "an overflowing tile's backup was not written"
+    err = (gate.view(m, -1) - expected).norm() / expected.norm()
+    assert err < 2e-3, err
+
+    blocks = -(-m // 128)
+    per_row = torch.zeros(blocks * 128, dtype=torch.int64, device=x.device)
+    per_row[:m] = counts.sum(1)
+    assert torch.equal(per_row.view(blocks, 128).sum(1).int(), block_nnz[:blocks])
+    per_row.zero_()
+    per_row[:m] = (counts > cap).sum(1)
+    assert torch.equal(per_row.view(blocks, 128).sum(1).int(), block_nnz[blocks:])
+
+
+@requires_twell_kernels
+def test_gate_gemm_rejects_unaligned_rows():
+    from twell_compile.kernels import build
+
+    x = torch.randn(256, 12, device="cuda", dtype=torch.bfloat16)  # 24-byte rows: not TMA-able
+    w = torch.randn(128, 12, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="16-byte aligned rows"):
+        _run_gate(x, w, None)
