@@ -38,6 +38,11 @@ class KernelConfig:
     heavy_block_overflow_tiles: int = 16
     """A 128-row block with more (row, tile) pairs past capacity than this also runs the dense path: on
     the sparse path a row with hundreds of active units is one CTA's sequential work (a straggler)."""
+    wgmma_kernels: bool = os.environ.get("TWELL_WGMMA", "1") != "0"
+    """Use the hand-written wgmma GEMMs (gate and dense path, csrc/twell_gemm.cu) where the shapes allow;
+    off, the Triton kernels run everything (for comparison)."""
+    tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
+    """Let the Triton kernels load through TMA descriptors where rows allow (off: pointer loads)."""
     poison_buffers: bool = False
     """Tests: fill the output and work buffers with NaN/garbage instead of leaving them uninitialised,
     so any element a kernel fails to write shows up."""
@@ -57,12 +62,14 @@ class GatePlan:
     group_m: int = 8
 
 
+# Tuning knob, read once: "block_m,tile_n,block_k,cap,warps,stages". The defaults were the fastest
+# measured on an H200 (README); wider tiles or fewer warps spill registers in the packing epilogue.
+_GATE_PLAN_OVERRIDE = os.environ.get("TWELL_GATE_PLAN", "")
+
+
 def gate_plan(m: int) -> GatePlan:
-    # Tuning knob: "block_m,tile_n,block_k,cap,warps,stages". The defaults were the fastest measured on
-    # an H200 (README); wider tiles or fewer warps spill registers in the packing epilogue.
-    override = os.environ.get("TWELL_GATE_PLAN")
-    if override:
-        return GatePlan(*map(int, override.split(",")))
+    if _GATE_PLAN_OVERRIDE:
+        return GatePlan(*map(int, _GATE_PLAN_OVERRIDE.split(",")))
     if m <= 64:  # decode-sized: narrow tiles so the weight streams through many SMs
         return GatePlan(block_m=64, tile_n=64, block_k=128, cap=8, num_warps=4, num_stages=4)
     return GatePlan(block_m=128, tile_n=128, block_k=64, cap=8, num_warps=8, num_stages=4)
@@ -89,9 +96,8 @@ _SPARSE_THREADS = int(os.environ.get("TWELL_SPARSE_THREADS", "128"))  # measured
 
 
 def _tma_ok(*tensors: Tensor) -> bool:
-    """TMA needs 16-byte aligned bases and row strides."""
-    if os.environ.get("TWELL_NO_TMA"):
-        return False
+    """TMA (the wgmma GEMMs always, the Triton kernels when ``config.tma``) needs 16-byte aligned bases
+    and row strides."""
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
 
@@ -136,12 +142,10 @@ def _contig(t: Tensor | None) -> Tensor | None:
 
 
 def _use_cuda_gate(plan: GatePlan, x2: Tensor, weight: Tensor) -> bool:
-    """The hand-written wgmma gate GEMM (csrc/twell_gate_gemm.cu) serves 128 x 128 tiles and TMA-able
+    """The hand-written wgmma gate GEMM (csrc/twell_gemm.cu) serves 128 x 128 tiles and TMA-able
     operands (16-byte aligned rows, so K % 8 == 0); the Triton kernels cover the rest (decode-sized
     tiles, odd K)."""
-    if os.environ.get("TWELL_GATE", "") == "triton":
-        return False
-    return (plan.block_m, plan.tile_n) == (128, 128) and _tma_ok(x2, weight)
+    return config.wgmma_kernels and (plan.block_m, plan.tile_n) == (128, 128) and _tma_ok(x2, weight)
 
 
 def _triton_gate(plan: GatePlan, x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, packed: Tensor,
@@ -152,7 +156,7 @@ def _triton_gate(plan: GatePlan, x2: Tensor, act_weight: Tensor, act_bias: Tenso
     common = dict(CAP=plan.cap, HAS_BIAS=act_bias is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.tile_n,
                   BLOCK_K=plan.block_k, GROUP_M=plan.group_m, num_warps=plan.num_warps, num_stages=plan.num_stages)
     bias_arg = act_bias if act_bias is not None else x2
-    if _tma_ok(x2, act_weight, dense):
+    if config.tma and _tma_ok(x2, act_weight, dense):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         x_desc = TensorDescriptor.from_tensor(x2, [plan.block_m, plan.block_k])
@@ -177,7 +181,7 @@ def _triton_dense_path(plan: GatePlan, gated: bool, x2: Tensor, up_weight: Tenso
     f, d = dense.shape[1], out.shape[1]
     n_tiles, n_blocks = packed.shape[1], block_nnz.numel() // 2
     thr_full, thr_last, thr_heavy = thresholds
-    dense_tma = _tma_ok(x2, down_weight, dense, out, *((up_weight,) if gated else ()))
+    dense_tma = config.tma and _tma_ok(x2, down_weight, dense, out, *((up_weight,) if gated else ()))
     if dense_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -231,9 +235,10 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     block_nnz = torch.zeros(2 * n_blocks, dtype=torch.int32, device=x.device)  # active units; overflowed row-tiles
 
     ext = build.cuda_extension()
+    sms = _num_sms(x.device)
     cuda_gate = _use_cuda_gate(plan, x2, act_weight)
     if cuda_gate:
-        ext.gate_twell_gemm(x2, act_weight, act_bias, packed, counts, dense, block_nnz, _num_sms(x.device))
+        ext.gate_twell_gemm(x2, act_weight, act_bias, packed, counts, dense, block_nnz, sms)
     else:
         _triton_gate(plan, x2, act_weight, act_bias, packed, counts, dense, block_nnz, n_tiles)
     thr_full, thr_last = _dense_thresholds(m, f)
@@ -252,11 +257,11 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     # (128-wide tiles) and every operand is TMA-able, else by the Triton kernels.
     thresholds = (thr_full, thr_last, thr_heavy)
     operands = (x2, down_weight, dense, out, *((up_weight,) if gated else ()))
-    if cuda_gate and _tma_ok(*operands) and os.environ.get("TWELL_DENSE_PATH", "") != "triton":
+    if cuda_gate and _tma_ok(*operands):
         ext.rebuild_dense_gate(packed, counts, dense, block_nnz, *thresholds)
         if gated:
-            ext.dense_block_gemm(x2, up_weight, up_bias, dense, block_nnz, True, *thresholds, _num_sms(x.device))
-        ext.dense_block_gemm(dense, down_weight, down_bias, out, block_nnz, False, *thresholds, _num_sms(x.device))
+            ext.dense_block_gemm(x2, up_weight, up_bias, dense, block_nnz, True, *thresholds, sms)
+        ext.dense_block_gemm(dense, down_weight, down_bias, out, block_nnz, False, *thresholds, sms)
     else:
         _triton_dense_path(plan, gated, x2, up_weight, up_bias, down_weight, down_bias, packed, counts, dense,
                            block_nnz, out, thresholds)
