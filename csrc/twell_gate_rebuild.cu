@@ -1,6 +1,8 @@
-// Dense path, first step: for the rows of 128-row blocks the device-side test marks dense, expands the
-// TwELL gate (packed slots, or the backup row of an overflowing tile) into relu(gate) in `dense`, which
-// the dense-path GEMMs (csrc/twell_gemm.cu) then read. Tiles of sparse blocks exit at once.
+// Dense path of a non-gated block, first step: for the rows of 128-row blocks the device-side test
+// marks dense, expands the TwELL activation (packed slots, or the backup row of an overflowing tile)
+// into relu(up) in `dense`, which the down GEMM (csrc/twell_gemm.cu) then reads. Tiles of sparse
+// blocks exit at once. (A gated block needs no such pass: its gate-times-up GEMM epilogue reads the
+// TwELL gate itself.)
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

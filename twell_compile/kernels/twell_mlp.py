@@ -7,9 +7,10 @@ Per call, all on PyTorch's current stream, allocations through its caching alloc
   2. a block is dense when its active fraction exceeds ``config.dense_block_density`` or it has many
      overflowing row-tiles (each kernel makes the same integer test, ``csrc/dense_block_test.cuh``);
   3. ``sparse_mlp_out`` (``csrc/twell_sparse_mlp.cu``): sparse blocks' rows of the output;
-  4. dense blocks' rows by dense GEMMs: relu(gate) rebuilt into the backup buffer, h = g * up in place,
-     out = h W_down^T (``csrc/twell_gate_rebuild.cu`` and the wgmma GEMM; Triton kernels where the
-     Triton gate ran or an operand is not TMA-able).
+  4. dense blocks' rows by dense GEMMs (the wgmma GEMM of ``csrc/twell_gemm.cu``; Triton kernels where
+     the Triton gate ran or an operand is not TMA-able): h = relu(gate) * up in place in the backup
+     buffer, the gate read from its TwELL output (non-gated: relu(up) expanded there by
+     ``csrc/twell_gate_rebuild.cu``), then out = h W_down^T.
 Steps 3 and 4 skip the blocks the other owns, so every output row is written exactly once.
 """
 
@@ -252,16 +253,18 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
         out, plan.tile_n, splits, _SPARSE_THREADS, thr_full, thr_last, thr_heavy,
     )
 
-    # Dense path for the blocks too dense to pay (its kernels skip the others): relu(gate) rebuilt into
-    # `dense`, h = g * up in place there, then out = h W_down^T, by the wgmma GEMMs when the gate was
-    # (128-wide tiles) and every operand is TMA-able, else by the Triton kernels.
+    # Dense path for the blocks too dense to pay (its kernels skip the others), by the wgmma GEMMs when
+    # the gate was (128-wide tiles) and every operand is TMA-able, else by the Triton kernels. Gated:
+    # h = relu(gate) * up in place in `dense`, the gate read from its TwELL output; non-gated: relu(up)
+    # expanded into `dense` from the TwELL output. Then out = h W_down^T.
     thresholds = (thr_full, thr_last, thr_heavy)
     operands = (x2, down_weight, dense, out, *((up_weight,) if gated else ()))
     if cuda_gate and _tma_ok(*operands):
-        ext.rebuild_dense_gate(packed, counts, dense, block_nnz, *thresholds)
         if gated:
-            ext.dense_block_gemm(x2, up_weight, up_bias, dense, block_nnz, True, *thresholds, sms)
-        ext.dense_block_gemm(dense, down_weight, down_bias, out, block_nnz, False, *thresholds, sms)
+            ext.dense_block_gemm(x2, up_weight, up_bias, dense, block_nnz, packed, counts, *thresholds, sms)
+        else:
+            ext.rebuild_dense_gate(packed, counts, dense, block_nnz, *thresholds)
+        ext.dense_block_gemm(dense, down_weight, down_bias, out, block_nnz, None, None, *thresholds, sms)
     else:
         _triton_dense_path(plan, gated, x2, up_weight, up_bias, down_weight, down_bias, packed, counts, dense,
                            block_nnz, out, thresholds)
