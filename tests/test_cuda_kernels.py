@@ -206,9 +206,11 @@ def test_stale_memory_in_reused_buffers_is_never_read(gated, path):
 @requires_twell_kernels
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_triton_kernels_alone_stay_exact(gated, path):
+@pytest.mark.parametrize("m", [7, 300])
+def test_triton_kernels_alone_stay_exact(gated, path, m):
     """With the wgmma GEMMs switched off (config.wgmma_kernels), the Triton gate and dense path, which
-    otherwise run only for decode-sized or unaligned shapes, serve 128-wide tiles too."""
-    problem = make_problem(300, 2048, 5632, 2048, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0,))
+    otherwise run only for unaligned shapes, serve everything: narrow decode tiles (M = 7) and
+    128-wide tiles (M = 300)."""
+    problem = make_problem(m, 2048, 5632, 2048, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0,))
     with kernel_config(wgmma_kernels=False):
-        _check(*_run(problem, gated, path), f"triton only gated={gated} path={path}")
+        _check(*_run(problem, gated, path), f"triton only m={m} gated={gated} path={path}")

@@ -2,7 +2,7 @@
 
 ``ops.py`` calls ``cuda_gated_relu_mlp`` / ``cuda_relu_mlp`` for CUDA tensors. bfloat16 and float16
 inputs run the TwELL kernels (``twell_mlp.py``: wgmma gate GEMM with packing epilogue, sparse up/down
-and dense-block path, built from ``csrc/``; Triton kernels for decode-sized and unaligned shapes) on Hopper; float32/float64 inputs, and GPUs or machines where the kernels
+and dense-block path, built from ``csrc/``; Triton kernels for unaligned shapes) on Hopper; float32/float64 inputs, and GPUs or machines where the kernels
 cannot run (reported once as a warning), use the plain-PyTorch reference on the same device.
 """
 

@@ -2,7 +2,7 @@
 
 Per call, all on PyTorch's current stream, allocations through its caching allocator, no host sync:
   1. the gate GEMM (``csrc/twell_gemm.cu``: TMA + wgmma, warp-specialised, on 128 x 128 tiles; the
-     Triton ``gate_twell_kernel`` for decode-sized M and rows TMA cannot load): relu(x W^T + b) packed
+     Triton ``gate_twell_kernel`` for rows TMA cannot load, or with the wgmma GEMM switched off): relu(x W^T + b) packed
      per (row, N-tile), overflowing tiles to a dense backup, active counts summed per 128-row block;
   2. a block is dense when its active fraction exceeds ``config.dense_block_density`` or it has many
      overflowing row-tiles (each kernel makes the same integer test, ``csrc/dense_block_test.cuh``);
@@ -68,10 +68,15 @@ class GatePlan:
 _GATE_PLAN_OVERRIDE = os.environ.get("TWELL_GATE_PLAN", "")
 
 
-def gate_plan(m: int) -> GatePlan:
+def gate_plan(m: int, wgmma_ok: bool) -> GatePlan:
+    """128 x 128 tiles, served by the wgmma GEMM where it can run (``wgmma_ok``), by Triton otherwise.
+    Decode-sized batches without the wgmma GEMM get narrow Triton tiles, so the weight streams through
+    many SMs. (With it, decode stays on the CUDA kernels: at M <= 64 on an H200 that halved the eager
+    call, 0.22 to 0.11 ms, the Triton launches being most of the host time, for about the same time
+    under CUDA graphs.)"""
     if _GATE_PLAN_OVERRIDE:
         return GatePlan(*map(int, _GATE_PLAN_OVERRIDE.split(",")))
-    if m <= 64:  # decode-sized: narrow tiles so the weight streams through many SMs
+    if m <= 64 and not wgmma_ok:
         return GatePlan(block_m=64, tile_n=64, block_k=128, cap=8, num_warps=4, num_stages=4)
     return GatePlan(block_m=128, tile_n=128, block_k=64, cap=8, num_warps=8, num_stages=4)
 
@@ -142,11 +147,10 @@ def _contig(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.contiguous()
 
 
-def _use_cuda_gate(plan: GatePlan, x2: Tensor, weight: Tensor) -> bool:
-    """The hand-written wgmma gate GEMM (csrc/twell_gemm.cu) serves 128 x 128 tiles and TMA-able
-    operands (16-byte aligned rows, so K % 8 == 0); the Triton kernels cover the rest (decode-sized
-    tiles, odd K)."""
-    return config.wgmma_kernels and (plan.block_m, plan.tile_n) == (128, 128) and _tma_ok(x2, weight)
+def _wgmma_ok(x2: Tensor, weight: Tensor) -> bool:
+    """The hand-written wgmma GEMM (csrc/twell_gemm.cu) takes TMA-able operands (16-byte aligned rows,
+    so K % 8 == 0); the Triton kernels cover the rest, and everything when it is switched off."""
+    return config.wgmma_kernels and _tma_ok(x2, weight)
 
 
 def _triton_gate(plan: GatePlan, x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, packed: Tensor,
@@ -225,7 +229,8 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     act_weight, act_bias, up_weight, up_bias, down_bias = map(_contig, (act_weight, act_bias, up_weight, up_bias, down_bias))
     down_weight = down_weight.contiguous()
 
-    plan = gate_plan(m)
+    wgmma_ok = _wgmma_ok(x2, act_weight)
+    plan = gate_plan(m, wgmma_ok)
     # A gate CTA's rows must lie in one 128-row decision block (it adds its count to that block).
     assert DECISION_ROWS % plan.block_m == 0, plan
     n_tiles = -(-f // plan.tile_n)
@@ -237,7 +242,7 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
 
     ext = build.cuda_extension()
     sms = _num_sms(x.device)
-    cuda_gate = _use_cuda_gate(plan, x2, act_weight)
+    cuda_gate = wgmma_ok and (plan.block_m, plan.tile_n) == (128, 128)
     if cuda_gate:
         ext.gate_twell_gemm(x2, act_weight, act_bias, packed, counts, dense, block_nnz, sms)
     else:
