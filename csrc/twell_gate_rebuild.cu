@@ -14,25 +14,13 @@
 #include <cstdint>
 
 #include "dense_block_test.cuh"
+#include "dtype16.cuh"
 
 namespace twell {
 namespace {
 
 constexpr int kTileN = 128;  // the TwELL tile of the CUDA gate GEMM
 constexpr int kThreads = 256;
-
-template <typename T>
-__device__ __forceinline__ bool is_active(uint16_t bits);  // relu keeps v > 0 and NaN, as eager does
-template <>
-__device__ __forceinline__ bool is_active<__nv_bfloat16>(uint16_t bits) {
-  const float v = __uint_as_float(static_cast<uint32_t>(bits) << 16);
-  return v > 0.f || v != v;
-}
-template <>
-__device__ __forceinline__ bool is_active<__half>(uint16_t bits) {
-  const float v = __half2float(__ushort_as_half(bits));
-  return v > 0.f || v != v;
-}
 
 // One CTA per (128-row block, tile). A warp expands one row's tile at a time, each lane 4 columns; the
 // count, the slots and the backup are loaded independently (no dependent chain), then selected.
@@ -75,7 +63,7 @@ __global__ void __launch_bounds__(kThreads) rebuild_dense_gate_kernel(const uint
         if (local == e) v[e] = static_cast<uint16_t>(w >> 16);
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] = is_active<T>(v[e]) ? v[e] : 0;
+    for (int e = 0; e < 4; ++e) v[e] = is_active(Dtype16<T>::value(v[e])) ? v[e] : 0;
     if (vec) {
       *reinterpret_cast<uint2*>(p) = make_uint2(v[0] | (static_cast<uint32_t>(v[1]) << 16), v[2] | (static_cast<uint32_t>(v[3]) << 16));
     } else {

@@ -42,6 +42,7 @@
 #include <cstdint>
 
 #include "dense_block_test.cuh"
+#include "dtype16.cuh"
 #include "hopper_ptx.cuh"
 
 namespace twell {
@@ -60,23 +61,6 @@ constexpr int kSmemBytes = kStages * kStageBytes + 1024 /* alignment */ + kBarri
 static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers
-
-template <typename T>
-struct Rounding;
-template <>
-struct Rounding<__nv_bfloat16> {
-  static constexpr bool kBF16 = true;
-  __device__ static uint32_t bits(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
-  __device__ static float value(uint32_t bits) { return __uint_as_float(bits << 16); }
-  __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-};
-template <>
-struct Rounding<__half> {
-  static constexpr bool kBF16 = false;
-  __device__ static uint32_t bits(float v) { return __half_as_ushort(__float2half_rn(v)); }
-  __device__ static float value(uint32_t bits) { return __half2float(__ushort_as_half(static_cast<unsigned short>(bits))); }
-  __device__ static float to_float(__half v) { return __half2float(v); }
-};
 
 // Grouped tile order: CTAs running at the same time share x row-blocks and W column-blocks in L2.
 __device__ __forceinline__ void tile_coords(int tile, int n_tiles_m, int n_tiles_n, int group_m, int& pm, int& pn) {
@@ -147,8 +131,8 @@ __device__ __forceinline__ void pack_rows(const float (&acc)[64], int row0, int 
 #pragma unroll
     for (int b = 0; b < 32; ++b) {
       const int col = (b >> 1) * 8 + lq * 2 + (b & 1);
-      const float v = Rounding<T>::value(Rounding<T>::bits(acc[4 * (b >> 1) + 2 * half + (b & 1)]));
-      const bool active = (v > 0.f || v != v) && col < cols_left;
+      const float v = Dtype16<T>::value(Dtype16<T>::bits(acc[4 * (b >> 1) + 2 * half + (b & 1)]));
+      const bool active = is_active(v) && col < cols_left;
       mask |= static_cast<uint32_t>(active) << b;
     }
     if (!row_ok) mask = 0;
@@ -169,7 +153,7 @@ __device__ __forceinline__ void pack_rows(const float (&acc)[64], int row0, int 
 #pragma unroll
         for (int b = 0; b < 32; ++b) {
           if (mask & (1u << b)) {
-            const uint32_t bits = Rounding<T>::bits(acc[4 * (b >> 1) + 2 * half + (b & 1)]);
+            const uint32_t bits = Dtype16<T>::bits(acc[4 * (b >> 1) + 2 * half + (b & 1)]);
             const uint32_t col = (b >> 1) * 8 + lq * 2 + (b & 1);
             slots[first + __popc(mask & ((1u << b) - 1u))] = (bits << 16) | col;
           }
@@ -181,7 +165,7 @@ __device__ __forceinline__ void pack_rows(const float (&acc)[64], int row0, int 
         for (int b = 0; b < 32; ++b) {
           const int col = (b >> 1) * 8 + lq * 2 + (b & 1);
           if (col < cols_left)
-            dense_row[col] = static_cast<uint16_t>(Rounding<T>::bits(acc[4 * (b >> 1) + 2 * half + (b & 1)]));
+            dense_row[col] = static_cast<uint16_t>(Dtype16<T>::bits(acc[4 * (b >> 1) + 2 * half + (b & 1)]));
         }
       }
     }
@@ -192,12 +176,11 @@ __device__ __forceinline__ void pack_rows(const float (&acc)[64], int row0, int 
   }
 }
 
-// relu on two packed 16-bit values (NaN kept, as eager's relu keeps it).
+// relu on two packed 16-bit values.
 template <typename T>
 __device__ __forceinline__ uint32_t relu_pair(uint32_t pair) {
   const uint32_t lo = pair & 0xffffu, hi = pair >> 16;
-  const float vl = Rounding<T>::value(lo), vh = Rounding<T>::value(hi);
-  return ((vl > 0.f || vl != vl) ? lo : 0u) | ((vh > 0.f || vh != vh) ? hi << 16 : 0u);
+  return (is_active(Dtype16<T>::value(lo)) ? lo : 0u) | (is_active(Dtype16<T>::value(hi)) ? hi << 16 : 0u);
 }
 
 // Gate times up: this thread's 32 gate values of one (row, TwELL tile), as 16 pairs of 16-bit values
@@ -278,11 +261,11 @@ __device__ __forceinline__ void store_rows(const float (&acc)[64], int row0, int
 #pragma unroll
     for (int q = 0; q < 16; ++q) {
       const int col = q * 8 + lq * 2;
-      uint32_t v0 = Rounding<T>::bits(acc[4 * q + 2 * half]);
-      uint32_t v1 = Rounding<T>::bits(acc[4 * q + 2 * half + 1]);
+      uint32_t v0 = Dtype16<T>::bits(acc[4 * q + 2 * half]);
+      uint32_t v1 = Dtype16<T>::bits(acc[4 * q + 2 * half + 1]);
       if constexpr (kMode == Epilogue::kGateTimesUp) {
-        v0 = Rounding<T>::bits(Rounding<T>::value(g[q] & 0xffffu) * Rounding<T>::value(v0));
-        v1 = Rounding<T>::bits(Rounding<T>::value(g[q] >> 16) * Rounding<T>::value(v1));
+        v0 = Dtype16<T>::bits(Dtype16<T>::value(g[q] & 0xffffu) * Dtype16<T>::value(v0));
+        v1 = Dtype16<T>::bits(Dtype16<T>::value(g[q] >> 16) * Dtype16<T>::value(v1));
       }
       if (pairs && col + 1 < cols_left) {
         *reinterpret_cast<uint32_t*>(c_row + col) = v0 | (v1 << 16);
@@ -305,7 +288,7 @@ __device__ __forceinline__ void finish_chunk(float (&acc)[64], int row0, int til
     for (int b = 0; b < 32; ++b) {
       const int col = (b >> 1) * 8 + (lane & 3) * 2 + (b & 1);
       const float bias =
-          col < cols_left ? Rounding<T>::to_float(static_cast<const T*>(args.bias)[tile * kBlockN + col]) : 0.f;
+          col < cols_left ? Dtype16<T>::to_float(static_cast<const T*>(args.bias)[tile * kBlockN + col]) : 0.f;
       const int i = 4 * (b >> 1) + (b & 1);
       acc[i] += bias;
       acc[i + 2] += bias;
@@ -442,8 +425,8 @@ __global__ void __launch_bounds__(kThreads, 1) twell_gemm_kernel(
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
         const int scale_d = (ks | kk) != 0;
         // +32 bytes per 16-element K step; the bottom half starts 64 rows (8 KB) further.
-        ptx::wgmma_m64n128k16<Rounding<T>::kBF16>(acc_top, desc_a + 2 * kk, desc_b + 2 * kk, scale_d);
-        ptx::wgmma_m64n128k16<Rounding<T>::kBF16>(acc_bottom, desc_a + 512 + 2 * kk, desc_b + 2 * kk, scale_d);
+        ptx::wgmma_m64n128k16<Dtype16<T>::kBF16>(acc_top, desc_a + 2 * kk, desc_b + 2 * kk, scale_d);
+        ptx::wgmma_m64n128k16<Dtype16<T>::kBF16>(acc_bottom, desc_a + 512 + 2 * kk, desc_b + 2 * kk, scale_d);
       }
       ptx::wgmma_commit();
       if (ks == k_steps - 1 && lane == 0) ptx::mbarrier_arrive(&sm.turn[1 - consumer]);

@@ -21,25 +21,12 @@
 #include <cstdint>
 
 #include "dense_block_test.cuh"
+#include "dtype16.cuh"
 
 namespace twell {
 namespace {
 
 constexpr int kListCap = 1024;  // active units gathered per chunk
-
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-
-template <typename T>
-__device__ __forceinline__ T bits_to(uint16_t bits) {
-  return *reinterpret_cast<const T*>(&bits);
-}
 
 // VEC consecutive elements loaded as one access (16 bytes for VEC == 8).
 template <typename T, int VEC>
@@ -51,7 +38,7 @@ template <typename T, int VEC>
 __device__ __forceinline__ void load_floats(const T* __restrict__ p, float (&out)[VEC]) {
   Pack<T, VEC> pk = *reinterpret_cast<const Pack<T, VEC>*>(p);
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) out[i] = to_float(pk.v[i]);
+  for (int i = 0; i < VEC; ++i) out[i] = Dtype16<T>::to_float(pk.v[i]);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -59,8 +46,6 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-
-__device__ __forceinline__ bool is_active(float v) { return v > 0.f || v != v; }  // NaN propagates like eager
 
 // Exclusive prefix sum of the row's per-tile counts into offsets[0..n_tiles]; returns the total.
 template <int kThreads>
@@ -147,7 +132,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
         for (int j = max(c0 - o0, 0) + lane; j < j_end; j += 32) {
           const uint32_t word = packed[slot0 + j];
           list_unit[o0 + j - c0] = t * tile_n + static_cast<int>(word & 0xffffu);
-          list_h[o0 + j - c0] = to_float(bits_to<T>(static_cast<uint16_t>(word >> 16)));
+          list_h[o0 + j - c0] = Dtype16<T>::value(word >> 16);
         }
       } else {
         const int tile_col0 = t * tile_n;
@@ -156,7 +141,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
         int seen = 0;
         for (int c = 0; c < width; c += 32) {
           const int col = c + lane;
-          const float v = col < width ? to_float(dense_tile[col]) : 0.f;
+          const float v = col < width ? Dtype16<T>::to_float(dense_tile[col]) : 0.f;
           const bool active = col < width && is_active(v);
           const unsigned mask = __ballot_sync(0xffffffffu, active);
           const int e = o0 + seen + __popc(mask & ((1u << lane) - 1u));
@@ -187,9 +172,9 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
         }
         s = warp_sum(s);
         if (lane == 0) {
-          const float up = s + (b_up != nullptr ? to_float(b_up[unit]) : 0.f);
+          const float up = s + (b_up != nullptr ? Dtype16<T>::to_float(b_up[unit]) : 0.f);
           // Eager rounds up(x) to the input dtype before the product; do the same.
-          list_h[e] = list_h[e] * to_float(from_float<T>(up));
+          list_h[e] = list_h[e] * Dtype16<T>::to_float(Dtype16<T>::from_float(up));
         }
       }
       __syncthreads();
@@ -221,7 +206,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
       Pack<T, VEC> pk;
 #pragma unroll
       for (int v = 0; v < VEC; ++v)
-        pk.v[v] = from_float<T>(acc[j][v] + (b_down != nullptr ? to_float(b_down[col + v]) : 0.f));
+        pk.v[v] = Dtype16<T>::from_float(acc[j][v] + (b_down != nullptr ? Dtype16<T>::to_float(b_down[col + v]) : 0.f));
       *reinterpret_cast<Pack<T, VEC>*>(out + row * D + col) = pk;
     }
   }

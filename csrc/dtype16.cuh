@@ -1,0 +1,36 @@
+// The two 16-bit dtypes the kernels take (bfloat16, float16), seen as values and as bit patterns, and
+// the ReLU's notion of an active value. One definition for every kernel, so they round and test alike.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace twell {
+
+template <typename T>
+struct Dtype16;
+
+template <>
+struct Dtype16<__nv_bfloat16> {
+  static constexpr bool kBF16 = true;
+  __device__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+  __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static uint32_t bits(float v) { return __bfloat16_as_ushort(from_float(v)); }  // rounded, as bits
+  __device__ static float value(uint32_t bits) { return __uint_as_float(bits << 16); }       // low 16 bits
+};
+
+template <>
+struct Dtype16<__half> {
+  static constexpr bool kBF16 = false;
+  __device__ static __half from_float(float v) { return __float2half_rn(v); }
+  __device__ static float to_float(__half v) { return __half2float(v); }
+  __device__ static uint32_t bits(float v) { return __half_as_ushort(from_float(v)); }
+  __device__ static float value(uint32_t bits) { return __half2float(__ushort_as_half(static_cast<unsigned short>(bits))); }
+};
+
+// relu keeps v > 0, and NaN, which eager's relu propagates.
+__device__ __forceinline__ bool is_active(float v) { return v > 0.f || v != v; }
+
+}  // namespace twell
