@@ -1,5 +1,6 @@
-// Thin wrappers over the Hopper (sm_90a) PTX the gate GEMM needs: mbarriers, TMA tensor loads,
-// warpgroup MMA (wgmma) and its shared-memory matrix descriptors, register reallocation.
+// Thin wrappers over the Hopper (sm_90a) PTX the gate GEMM needs: mbarriers, TMA tensor loads (also
+// multicast to a cluster), warpgroup MMA (wgmma) and its shared-memory matrix descriptors, register
+// reallocation.
 // Semantics are the PTX ISA's; names follow the instructions so the kernel reads like the ISA guide.
 #pragma once
 
@@ -32,6 +33,16 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
                ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 
+// Arrives on the barrier at the same shared-memory offset in CTA `cta` of the cluster (the consumer's
+// release of a stage its peer multicasts into). Default .release.cta semantics, as CUTLASS's cluster
+// barrier: the stage was read by wgmma, which has completed, so there are no pending writes to order.
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t cta) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}" ::"r"(smem_addr(bar)), "r"(cta)
+      : "memory");
+}
+
 // Spins until the phase with the given parity has completed.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
@@ -47,6 +58,28 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* tensor_map, u
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
       ::"r"(smem_addr(dst)), "l"(tensor_map), "r"(smem_addr(bar)), "r"(c0), "r"(c1) : "memory");
+}
+
+// The same, multicast: the tile lands at the same shared-memory offset, and completes the barrier at the
+// same offset, in every CTA of the cluster named in cta_mask.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const void* tensor_map, uint64_t* bar, int c0, int c1,
+                                                      uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;"
+      ::"r"(smem_addr(dst)), "l"(tensor_map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "h"(cta_mask) : "memory");
+}
+
+// ---- clusters -------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+
+// Every thread of every CTA of the cluster.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.cuda
 TILE = 128
 
 
-def _run_gate(x, w, bias, cap=8):
+def _run_gate(x, w, bias, cap=8, cluster=2):
     from twell_compile.kernels import build
 
     m, f = x.shape[0], w.shape[0]
@@ -28,7 +28,7 @@ def _run_gate(x, w, bias, cap=8):
     dense = torch.full((m, f), float("nan"), dtype=x.dtype, device=x.device)
     block_nnz = torch.zeros(2 * -(-m // 128), dtype=torch.int32, device=x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    build.cuda_extension().gate_twell_gemm(x, w, bias, packed, counts, dense, block_nnz, sms)
+    build.cuda_extension().gate_twell_gemm(x, w, bias, packed, counts, dense, block_nnz, sms, cluster)
     return packed, counts, dense, block_nnz
 
 
@@ -36,17 +36,20 @@ def _run_gate(x, w, bias, cap=8):
 @pytest.mark.parametrize("m,k,f,nnz,skew", [
     (300, 264, 1000, 20.0, False),   # tails in M and F, K of 264 (not a multiple of 64)
     (4097, 2048, 5632, 24.0, False),  # the 2B shape, many tiles per CTA (ping-pong and ring wrap-around)
+    (1950, 200, 2600, 24.0, False),   # pairs: 21 column tiles (the last pair is half empty), a last row
+                                      # tile of 30 rows (one multicast half wholly past the end)
     (1000, 2048, 5632, 600.0, False),  # almost every tile past capacity
     (2048, 2048, 5632, 40.0, True),   # skewed: heavy rows and units
     (129, 8, 130, 20.0, False),       # one K step, one column past a tile
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_gate_gemm_writes_exact_twell(m, k, f, nnz, skew, dtype, bias):
+@pytest.mark.parametrize("cluster", [1, 2], ids=["single", "pairs"])
+def test_gate_gemm_writes_exact_twell(m, k, f, nnz, skew, dtype, bias, cluster):
     problem = make_problem(m, k, f, nnz_per_row=nnz, skew=skew, dtype=dtype, bias=bias)
     x, w, b = problem.x, problem.gate_weight, problem.gate_bias
     cap = 8
-    packed, counts, dense, block_nnz = _run_gate(x, w, b, cap)
+    packed, counts, dense, block_nnz = _run_gate(x, w, b, cap, cluster)
     torch.cuda.synchronize()
 
     tiles = -(-f // TILE)
@@ -97,3 +100,11 @@ def test_gate_gemm_rejects_unaligned_rows():
     w = torch.randn(128, 12, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="16-byte aligned rows"):
         _run_gate(x, w, None)
+
+
+@requires_twell_kernels
+def test_gate_gemm_rejects_bad_cluster_size():
+    x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="cluster must be 1 or 2"):
+        _run_gate(x, w, None, cluster=3)

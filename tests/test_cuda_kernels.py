@@ -205,6 +205,24 @@ def test_stale_memory_in_reused_buffers_is_never_read(gated, path):
 
 @requires_twell_kernels
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("path", ["dense", "auto"])
+def test_gemm_cta_pairs_match_single_ctas_bitwise(gated, path):
+    """The wgmma GEMMs in 2-CTA clusters (sharing x / h tiles by multicast) compute each tile exactly as
+    single CTAs do. The shape makes pairs run everywhere with odd column-tile counts (21 for the gate,
+    11 for the down projection: the last pair's second tile does not exist) and a last row tile of 30
+    rows (one multicast half lies wholly past the end)."""
+    problem = make_problem(1950, 200, 2600, 1400, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0, 700))
+    outs = {}
+    for cluster in (1, 2):
+        with kernel_config(gemm_cluster=cluster):
+            out, ref64, dense_same_dtype = _run(problem, gated, path)
+        _check(out, ref64, dense_same_dtype, f"cta pairs gated={gated} path={path} cluster={cluster}")
+        outs[cluster] = out
+    assert torch.equal(outs[1], outs[2])
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("m", [7, 300])
 def test_triton_kernels_alone_stay_exact(gated, path, m):

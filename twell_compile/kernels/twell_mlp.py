@@ -1,9 +1,10 @@
 """The TwELL path of the twell ops on CUDA: gate GEMM with packing epilogue, then sparse up + down.
 
 Per call, all on PyTorch's current stream, allocations through its caching allocator, no host sync:
-  1. the gate GEMM (``csrc/twell_gemm.cu``: TMA + wgmma, warp-specialised, on 128 x 128 tiles; the
-     Triton ``gate_twell_kernel`` for rows TMA cannot load, or with the wgmma GEMM switched off): relu(x W^T + b) packed
-     per (row, N-tile), overflowing tiles to a dense backup, active counts summed per 128-row block;
+  1. the gate GEMM (``csrc/twell_gemm.cu``: TMA + wgmma, warp-specialised, on 128 x 128 tiles, in CTA
+     pairs sharing x tiles where there are enough tiles; the Triton ``gate_twell_kernel`` for rows TMA
+     cannot load, or with the wgmma GEMM switched off): relu(x W^T + b) packed per (row, N-tile),
+     overflowing tiles to a dense backup, active counts summed per 128-row block;
   2. a block is dense when its active fraction exceeds ``config.dense_block_density`` or it has many
      overflowing row-tiles (each kernel makes the same integer test, ``csrc/dense_block_test.cuh``);
   3. ``sparse_mlp_out`` (``csrc/twell_sparse_mlp.cu``): sparse blocks' rows of the output;
@@ -42,6 +43,9 @@ class KernelConfig:
     wgmma_kernels: bool = os.environ.get("TWELL_WGMMA", "1") != "0"
     """Use the hand-written wgmma GEMMs (gate and dense path, csrc/twell_gemm.cu) where the shapes allow;
     off, the Triton kernels run everything (for comparison)."""
+    gemm_cluster: int = int(os.environ.get("TWELL_GEMM_CLUSTER", "2"))
+    """2: the wgmma GEMMs run in 2-CTA clusters that share each x (or h) tile by TMA multicast (half the
+    L2 traffic for it) where there are enough tile pairs; 1: single CTAs (for comparison)."""
     tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
     """Let the Triton kernels load through TMA descriptors where rows allow (off: pointer loads)."""
     poison_buffers: bool = False
@@ -244,7 +248,7 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     sms = _num_sms(x.device)
     cuda_gate = wgmma_ok and (plan.block_m, plan.tile_n) == (128, 128)
     if cuda_gate:
-        ext.gate_twell_gemm(x2, act_weight, act_bias, packed, counts, dense, block_nnz, sms)
+        ext.gate_twell_gemm(x2, act_weight, act_bias, packed, counts, dense, block_nnz, sms, config.gemm_cluster)
     else:
         _triton_gate(plan, x2, act_weight, act_bias, packed, counts, dense, block_nnz, n_tiles)
     thr_full, thr_last = _dense_thresholds(m, f)
@@ -266,10 +270,12 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     operands = (x2, down_weight, dense, out, *((up_weight,) if gated else ()))
     if cuda_gate and _tma_ok(*operands):
         if gated:
-            ext.dense_block_gemm(x2, up_weight, up_bias, dense, block_nnz, packed, counts, *thresholds, sms)
+            ext.dense_block_gemm(x2, up_weight, up_bias, dense, block_nnz, packed, counts, *thresholds, sms,
+                                 config.gemm_cluster)
         else:
             ext.rebuild_dense_gate(packed, counts, dense, block_nnz, *thresholds)
-        ext.dense_block_gemm(dense, down_weight, down_bias, out, block_nnz, None, None, *thresholds, sms)
+        ext.dense_block_gemm(dense, down_weight, down_bias, out, block_nnz, None, None, *thresholds, sms,
+                             config.gemm_cluster)
     else:
         _triton_dense_path(plan, gated, x2, up_weight, up_bias, down_weight, down_bias, packed, counts, dense,
                            block_nnz, out, thresholds)
