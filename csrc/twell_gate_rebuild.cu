@@ -87,18 +87,12 @@ void rebuild_dense_gate(const at::Tensor& packed, const at::Tensor& counts, at::
                   (dense.size(1) + kTileN - 1) / kTileN == n_tiles &&
                   (dense.scalar_type() == at::kBFloat16 || dense.scalar_type() == at::kHalf),
               "twell: dense must be a contiguous bfloat16/float16 [M, F] tensor with ceil(F / 128) tiles");
-  const int64_t n_blocks = (M + kDecisionRows - 1) / kDecisionRows;
-  TORCH_CHECK(block_nnz.numel() == 2 * n_blocks && block_nnz.is_contiguous() && block_nnz.scalar_type() == at::kInt,
-              "twell: block_nnz must be int32 [2 * ceil(M / 128)]");
+  const DenseBlockTest test = dense_block_test(block_nnz, M, dense.device(), thr_full, thr_last, thr_heavy);
   TORCH_CHECK(packed.size(2) <= 32, "twell: the gate rebuild reads at most 32 slots per tile");
-  TORCH_CHECK(M < (int64_t{1} << 31) && n_tiles <= 65535 && thr_full >= 0 && thr_last >= 0 && thr_heavy >= 0 &&
-                  thr_full <= INT32_MAX && thr_last <= INT32_MAX && thr_heavy <= INT32_MAX,
-              "twell: sizes or thresholds out of range");
+  TORCH_CHECK(M < (int64_t{1} << 31) && n_tiles <= 65535, "twell: sizes out of range");
   if (M == 0) return;
   const c10::cuda::CUDAGuard guard(dense.device());
-  const DenseBlockTest test{block_nnz.data_ptr<int>(), static_cast<int>(n_blocks), static_cast<int>(thr_full),
-                            static_cast<int>(thr_last), static_cast<int>(thr_heavy)};
-  const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(n_tiles));
+  const dim3 grid(static_cast<unsigned>(test.n_blocks), static_cast<unsigned>(n_tiles));
   auto kernel = dense.scalar_type() == at::kBFloat16 ? rebuild_dense_gate_kernel<__nv_bfloat16>
                                                      : rebuild_dense_gate_kernel<__half>;
   kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(

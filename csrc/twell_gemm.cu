@@ -84,19 +84,19 @@ __device__ __forceinline__ void tile_coords(int tile, int n_tiles_m, int n_tiles
 // a unit is a pair of horizontally adjacent tiles, one per CTA of the cluster (rank 0 the left).
 template <int kCluster>
 struct TileWalk {
-  int first, stride, n_units, n_tiles_m, n_tiles_n, n_super_n, group_m, rank;
+  int first, stride, n_tiles_m, n_tiles_n, group_m, rank;
   __device__ __forceinline__ TileWalk(int n_tiles_m_, int n_tiles_n_, int group_m_)
       : first(static_cast<int>(blockIdx.x) / kCluster),
         stride(static_cast<int>(gridDim.x) / kCluster),
-        n_units(n_tiles_m_ * ((n_tiles_n_ + kCluster - 1) / kCluster)),
         n_tiles_m(n_tiles_m_),
         n_tiles_n(n_tiles_n_),
-        n_super_n((n_tiles_n_ + kCluster - 1) / kCluster),
         group_m(group_m_),
         rank(kCluster == 1 ? 0 : static_cast<int>(ptx::cluster_ctarank())) {}
+  __device__ __forceinline__ int units_n() const { return (n_tiles_n + kCluster - 1) / kCluster; }
+  __device__ __forceinline__ int n_units() const { return n_tiles_m * units_n(); }
   __device__ __forceinline__ void coords(int unit, int& pm, int& pn) const {
     int spn;
-    tile_coords(unit, n_tiles_m, n_super_n, group_m, pm, spn);
+    tile_coords(unit, n_tiles_m, units_n(), group_m, pm, spn);
     pn = spn * kCluster + rank;
   }
   // The last cluster's last ranks may be past the last column tile: they still load (their peers need
@@ -354,7 +354,7 @@ __device__ __forceinline__ void add_block_counts(int nnz, int overflowed, int pm
     nnz += __shfl_xor_sync(0xffffffffu, nnz, o);
     overflowed += __shfl_xor_sync(0xffffffffu, overflowed, o);
   }
-  if (lane == 0 && pm < n_tiles_m) {
+  if (lane == 0) {
     if (nnz) atomicAdd(&args.block_nnz[pm], nnz);
     if (overflowed) atomicAdd(&args.block_nnz[n_tiles_m + pm], overflowed);
   }
@@ -412,7 +412,7 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
   ptx::prefetch_tensor_map(a_map);
   ptx::prefetch_tensor_map(b_map);
   uint32_t it = 0;
-  for (int unit = walk.first; unit < walk.n_units; unit += walk.stride) {
+  for (int unit = walk.first; unit < walk.n_units(); unit += walk.stride) {
     int pm, pn;
     walk.coords(unit, pm, pn);
     if (kMode != Epilogue::kTwellPack && !filter.dense(pm)) continue;
@@ -438,15 +438,13 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
 template <int kCluster>
 __device__ __forceinline__ void release_stage(const Smem& sm, uint32_t stage, int rank) {
   ptx::mbarrier_arrive(&sm.empty[stage]);
-#pragma unroll
-  for (int r = 1; r < kCluster; ++r)
-    ptx::mbarrier_arrive_cluster(&sm.empty[stage], static_cast<uint32_t>((rank + r) % kCluster));
+  if constexpr (kCluster == 2) ptx::mbarrier_arrive_cluster(&sm.empty[stage], static_cast<uint32_t>(rank ^ 1));
 }
 
 // Consumer warpgroups: alternate kept tiles, mainloop then epilogue (see the file comment).
 template <typename T, Epilogue kMode, int kCluster>
 __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm, const BlockFilter& filter,
-                                        int k_steps, int n_tiles_m, const TileWalk<kCluster>& walk) {
+                                        int k_steps, const TileWalk<kCluster>& walk) {
   ptx::setmaxnreg_inc<kConsumerRegs>();
   const int consumer = static_cast<int>(threadIdx.x) / 128 - 1;
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
@@ -457,7 +455,7 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
   // Every role applies the same filter, so the k-th tile kept is the same for all (consumer k % 2
   // computes it, at ring position k * k_steps).
   int kept = 0;
-  for (int unit = walk.first; unit < walk.n_units; unit += walk.stride) {
+  for (int unit = walk.first; unit < walk.n_units(); unit += walk.stride) {
     int pm, pn;
     walk.coords(unit, pm, pn);
     if (kMode != Epilogue::kTwellPack && !filter.dense(pm)) continue;
@@ -504,7 +502,7 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
     int nnz = 0, overflowed = 0;
     finish_chunk<T, kMode>(acc_top, row0, pn, lane, args, nnz, overflowed);
     finish_chunk<T, kMode>(acc_bottom, row0 + 64, pn, lane, args, nnz, overflowed);
-    if constexpr (kMode == Epilogue::kTwellPack) add_block_counts(nnz, overflowed, pm, n_tiles_m, lane, args);
+    if constexpr (kMode == Epilogue::kTwellPack) add_block_counts(nnz, overflowed, pm, walk.n_tiles_m, lane, args);
   }
 }
 
@@ -523,7 +521,7 @@ __global__ void __launch_bounds__(kThreads, 1) twell_gemm_kernel(
   if (threadIdx.x < 128) {
     produce<kMode, kCluster>(&a_map, &b_map, sm, filter, k_steps, args.M, walk);
   } else {
-    consume<T, kMode, kCluster>(args, sm, filter, k_steps, n_tiles_m, walk);
+    consume<T, kMode, kCluster>(args, sm, filter, k_steps, walk);
   }
   // The peer may still multicast into this CTA's stages or arrive on its barriers: leave together.
   if constexpr (kCluster > 1) ptx::cluster_sync();
@@ -556,6 +554,11 @@ CUtensorMap operand_map(const at::Tensor& t, int box_rows) {
   return map;
 }
 
+// Work units of a grid of kCluster-CTA clusters: tile rows times clusters of column tiles.
+int64_t cluster_units(int64_t n_tiles_m, int64_t n_tiles_n, int64_t cluster) {
+  return n_tiles_m * ((n_tiles_n + cluster - 1) / cluster);
+}
+
 // How many clusters of the kernel can be resident at once on the current device: a persistent
 // grid larger than that would leave clusters waiting for others to finish. Asked once per device (a
 // host query, kept off the hot path).
@@ -581,7 +584,7 @@ void launch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, 
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const CUtensorMap a_map = operand_map(a, kBlockM / kCluster), b_map = operand_map(b, kBlockN);
   const int n_tiles_m = static_cast<int>((a.size(0) + kBlockM - 1) / kBlockM);
-  const int64_t units = int64_t{n_tiles_m} * ((args.n_tiles_n + kCluster - 1) / kCluster);
+  const int64_t units = cluster_units(n_tiles_m, args.n_tiles_n, kCluster);
   constexpr int kGroupM = 8;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
@@ -622,7 +625,7 @@ void dispatch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args
   TORCH_CHECK(cluster == 1 || cluster == 2, "twell: cluster must be 1 or 2");
   const c10::cuda::CUDAGuard guard(a.device());
   const int64_t n_tiles_m = (a.size(0) + kBlockM - 1) / kBlockM;
-  if (cluster == 2 && n_tiles_m * ((args.n_tiles_n + 1) / 2) >= ctas / 2) {
+  if (cluster == 2 && cluster_units(n_tiles_m, args.n_tiles_n, 2) >= ctas / 2) {
     launch_dtype<kMode, 2>(a, b, args, ctas);
   } else {
     launch_dtype<kMode, 1>(a, b, args, ctas);
@@ -652,13 +655,6 @@ void check_operands(const at::Tensor& a, const at::Tensor& b, const c10::optiona
   }
 }
 
-void check_block_nnz(const at::Tensor& block_nnz, const at::Tensor& a) {
-  const int64_t M = a.size(0);
-  TORCH_CHECK(block_nnz.numel() == 2 * ((M + kBlockM - 1) / kBlockM) && block_nnz.is_contiguous() &&
-                  block_nnz.scalar_type() == at::kInt && block_nnz.device() == a.device(),
-              "twell: block_nnz must be int32 [2 * ceil(M / 128)]");
-}
-
 }  // namespace
 
 // TwELL-pack epilogue (see the file comment). `ctas`: the persistent grid (the number of SMs); `cluster`:
@@ -674,7 +670,7 @@ void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::option
               "twell: packed must be int32 [M, ceil(F / 128), cap]");
   TORCH_CHECK(counts.sizes() == at::IntArrayRef({M, n_tiles_n}) && counts.is_contiguous() && counts.scalar_type() == at::kInt,
               "twell: counts must be int32 [M, ceil(F / 128)]");
-  check_block_nnz(block_nnz, x);
+  check_block_nnz(block_nnz, M, x.device());
   if (M == 0) return;
   EpilogueArgs args{};
   args.bias = bias.has_value() ? bias->data_ptr() : nullptr;
@@ -699,9 +695,7 @@ void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optio
   check_operands(a, b, bias, c);
   const int64_t M = a.size(0), N = b.size(0);
   const int64_t n_tiles_n = (N + kBlockN - 1) / kBlockN;
-  check_block_nnz(block_nnz, a);
-  TORCH_CHECK(thr_full >= 0 && thr_last >= 0 && thr_heavy >= 0 && thr_full <= INT32_MAX && thr_last <= INT32_MAX &&
-                  thr_heavy <= INT32_MAX, "twell: bad thresholds");
+  const DenseBlockTest dense_test = dense_block_test(block_nnz, M, a.device(), thr_full, thr_last, thr_heavy);
   const bool gate_times_up = gate_packed.has_value();
   TORCH_CHECK(gate_times_up == gate_counts.has_value(), "twell: gate_packed and gate_counts go together");
   if (gate_times_up) {
@@ -720,8 +714,7 @@ void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optio
   args.M = static_cast<int>(M);
   args.N = static_cast<int>(N);
   args.n_tiles_n = static_cast<int>(n_tiles_n);
-  args.dense_test = DenseBlockTest{block_nnz.data_ptr<int>(), static_cast<int>(block_nnz.numel() / 2),
-                                   static_cast<int>(thr_full), static_cast<int>(thr_last), static_cast<int>(thr_heavy)};
+  args.dense_test = dense_test;
   if (gate_times_up) {
     args.packed = reinterpret_cast<uint32_t*>(gate_packed->data_ptr<int>());
     args.counts = gate_counts->data_ptr<int>();

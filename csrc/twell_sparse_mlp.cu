@@ -86,18 +86,15 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
     const uint32_t* __restrict__ packed,  // [M, n_tiles, cap]: value bits << 16 | column in tile
     const int* __restrict__ counts,     // [M, n_tiles], true count (may exceed cap)
     const T* __restrict__ dense,        // [M, F], written only for overflowing (row, tile)
-    const int* __restrict__ block_nnz,  // [2, ceil(M / 128)]: active units, row-tiles past capacity
     const T* __restrict__ w_up,         // [F, K] (gated only)
     const T* __restrict__ b_up,         // [F] or null
     const T* __restrict__ w_down_t,     // [F, D]
     const T* __restrict__ b_down,       // [D] or null
     T* __restrict__ out,                // [M, D]
-    int K, int D, int F, int n_tiles, int cap, int tile_n, int cols_per_split, int n_blocks, int thr_full,
-    int thr_last, int thr_heavy) {
+    int K, int D, int F, int n_tiles, int cap, int tile_n, int cols_per_split, DenseBlockTest dense_test) {
   const int64_t row = blockIdx.x;
   // Rows of dense blocks belong to the dense path (the same test as its kernels).
-  if (DenseBlockTest{block_nnz, n_blocks, thr_full, thr_last, thr_heavy}(static_cast<int>(row / kDecisionRows)))
-    return;
+  if (dense_test(static_cast<int>(row / kDecisionRows))) return;
   constexpr int kWarps = kThreads / 32;
 
   extern __shared__ int smem[];
@@ -221,10 +218,9 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 
 template <typename T, int VEC, int NV, bool GATED, int kThreads>
 void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& counts,
-            const at::Tensor& dense, const at::Tensor& block_nnz, const c10::optional<at::Tensor>& w_up,
+            const at::Tensor& dense, const DenseBlockTest& dense_test, const c10::optional<at::Tensor>& w_up,
             const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_t,
-            const c10::optional<at::Tensor>& b_down, at::Tensor& out, int tile_n, int splits, int thr_full,
-            int thr_last, int thr_heavy) {
+            const c10::optional<at::Tensor>& b_down, at::Tensor& out, int tile_n, int splits) {
   const int64_t M = out.size(0);
   const int D = static_cast<int>(out.size(1));
   const int F = static_cast<int>(w_down_t.size(0));
@@ -242,9 +238,9 @@ void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& cou
   kernel<<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
       GATED ? reinterpret_cast<const T*>(x.data_ptr()) : nullptr,
       reinterpret_cast<const uint32_t*>(packed.data_ptr<int>()), counts.data_ptr<int>(), reinterpret_cast<const T*>(dense.data_ptr()),
-      block_nnz.data_ptr<int>(), GATED ? ptr_or_null<T>(w_up) : nullptr, ptr_or_null<T>(b_up),
+      GATED ? ptr_or_null<T>(w_up) : nullptr, ptr_or_null<T>(b_up),
       reinterpret_cast<const T*>(w_down_t.data_ptr()), ptr_or_null<T>(b_down), reinterpret_cast<T*>(out.data_ptr()),
-      K, D, F, n_tiles, cap, tile_n, cols_per_split, static_cast<int>(block_nnz.numel() / 2), thr_full, thr_last, thr_heavy);
+      K, D, F, n_tiles, cap, tile_n, cols_per_split, dense_test);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -252,10 +248,9 @@ void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& cou
 // column groups per thread from the columns one CTA covers.
 template <typename T, bool GATED, int kThreads>
 void dispatch_shape(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& counts,
-                    const at::Tensor& dense, const at::Tensor& block_nnz, const c10::optional<at::Tensor>& w_up,
+                    const at::Tensor& dense, const DenseBlockTest& dense_test, const c10::optional<at::Tensor>& w_up,
                     const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_t,
-                    const c10::optional<at::Tensor>& b_down, at::Tensor& out, int tile_n, int splits, int thr_full,
-                    int thr_last, int thr_heavy) {
+                    const c10::optional<at::Tensor>& b_down, at::Tensor& out, int tile_n, int splits) {
   const int64_t D = out.size(1);
   bool vec8 = D % 8 == 0 && aligned16(w_down_t.data_ptr()) && aligned16(out.data_ptr());
   if (GATED) vec8 = vec8 && x.size(1) % 8 == 0 && aligned16(x.data_ptr()) && aligned16(w_up->data_ptr());
@@ -264,8 +259,8 @@ void dispatch_shape(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   const int64_t groups = (cols + static_cast<int64_t>(kThreads) * vec - 1) / (static_cast<int64_t>(kThreads) * vec);
   TORCH_CHECK(groups <= 4, "twell: internal error, too many output columns per CTA (", cols, "); raise splits");
 #define TWELL_LAUNCH(V, NVV)                                                                                 \
-  launch<T, V, NVV, GATED, kThreads>(x, packed, counts, dense, block_nnz, w_up, b_up, w_down_t, b_down, out, tile_n, \
-                                     splits, thr_full, thr_last, thr_heavy)
+  launch<T, V, NVV, GATED, kThreads>(x, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, out, tile_n, \
+                                     splits)
   if (vec8) {
     if (groups <= 1) TWELL_LAUNCH(8, 1);
     else if (groups <= 2) TWELL_LAUNCH(8, 2);
@@ -293,10 +288,7 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
               "twell: packed must be a contiguous int32 CUDA [M, tiles, cap] tensor");
   TORCH_CHECK(counts.scalar_type() == at::kInt && counts.is_contiguous() && counts.size(0) == packed.size(0) &&
               counts.size(1) == packed.size(1), "twell: counts must be int32 [M, tiles]");
-  TORCH_CHECK(block_nnz.scalar_type() == at::kInt && block_nnz.is_contiguous() &&
-              block_nnz.numel() == 2 * ((packed.size(0) + 127) / 128), "twell: block_nnz must be int32 [2, ceil(M / 128)]");
-  TORCH_CHECK(thr_full >= 0 && thr_last >= 0 && thr_heavy >= 0 && thr_full <= INT32_MAX && thr_last <= INT32_MAX &&
-              thr_heavy <= INT32_MAX, "twell: bad thresholds");
+  const DenseBlockTest dense_test = dense_block_test(block_nnz, packed.size(0), packed.device(), thr_full, thr_last, thr_heavy);
   TORCH_CHECK(w_down_t.is_contiguous() && dense.is_contiguous() && out.is_contiguous(), "twell: w_down_t, dense and out must be contiguous");
   TORCH_CHECK(dense.size(1) == w_down_t.size(0) && out.size(1) == w_down_t.size(1), "twell: dense/out/w_down_t shapes disagree");
   TORCH_CHECK(tile_n >= 1 && tile_n <= 256, "twell: tile_n must be in [1, 256]");
@@ -308,15 +300,13 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
   if (out.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
   const at::Tensor empty;
-#define TWELL_THREADS(T, G, XX, N)                                                                               \
-  if (threads == 128)                                                                                          \
-    dispatch_shape<T, G, 128>(XX, packed, counts, dense, block_nnz, w_up, b_up, w_down_t, b_down, out,           \
-                              static_cast<int>(tile_n), static_cast<int>(splits), static_cast<int>(thr_full),      \
-                              static_cast<int>(thr_last), static_cast<int>(thr_heavy));                                                         \
-  else                                                                                                          \
-    dispatch_shape<T, G, 256>(XX, packed, counts, dense, block_nnz, w_up, b_up, w_down_t, b_down, out,           \
-                              static_cast<int>(tile_n), static_cast<int>(splits), static_cast<int>(thr_full),      \
-                              static_cast<int>(thr_last), static_cast<int>(thr_heavy));
+#define TWELL_THREADS(T, G, XX, N)                                                                     \
+  if (threads == 128)                                                                                \
+    dispatch_shape<T, G, 128>(XX, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, out, \
+                              static_cast<int>(tile_n), static_cast<int>(splits));                     \
+  else                                                                                               \
+    dispatch_shape<T, G, 256>(XX, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, out, \
+                              static_cast<int>(tile_n), static_cast<int>(splits));
 #define TWELL_DTYPE(T)                    \
   if (gated) {                            \
     TWELL_THREADS(T, true, *x, 0)         \
