@@ -19,6 +19,17 @@ struct Dtype16<__nv_bfloat16> {
   __device__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
   __device__ static uint32_t bits(float v) { return __bfloat16_as_ushort(from_float(v)); }  // rounded, as bits
   __device__ static float value(uint32_t bits) { return __uint_as_float(bits << 16); }       // low 16 bits
+  // Two floats rounded as bits() does, packed (lo in the low half): one cvt instruction.
+  __device__ static uint32_t pair_bits(float lo, float hi) {
+    const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&p);
+  }
+  // Elementwise product of two packed pairs, rounded once: the same bits as bits(value(a) * value(b)),
+  // since the product of two bfloat16 values is exact in float.
+  __device__ static uint32_t mul_pairs(uint32_t a, uint32_t b) {
+    const __nv_bfloat162 p = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&p);
+  }
 };
 
 template <>
@@ -28,6 +39,15 @@ struct Dtype16<__half> {
   __device__ static float to_float(__half v) { return __half2float(v); }
   __device__ static uint32_t bits(float v) { return __half_as_ushort(from_float(v)); }
   __device__ static float value(uint32_t bits) { return __half2float(__ushort_as_half(static_cast<unsigned short>(bits))); }
+  __device__ static uint32_t pair_bits(float lo, float hi) {
+    const __half2 p = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&p);
+  }
+  // Exact in float too (11-bit significands), so rounded once as bits(value(a) * value(b)).
+  __device__ static uint32_t mul_pairs(uint32_t a, uint32_t b) {
+    const __half2 p = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&p);
+  }
 };
 
 // relu keeps v > 0, and NaN, which eager's relu propagates.

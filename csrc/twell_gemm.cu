@@ -17,13 +17,19 @@
 // others are skipped without loading anything, so the host never needs to know which blocks they are.
 //
 // CTA = 3 warpgroups. Warpgroup 0 is the producer: one thread streams (A, B) K-slices into a ring of
-// shared-memory stages with TMA. Warpgroups 1 and 2 are consumers that take alternate output tiles
-// (128 x 128 each, two m64n128k16 wgmma chains): while one runs its epilogue, the other's MMAs run, so
-// the epilogue hides behind the tensor cores ("ping-pong"). A consumer starts waiting for its tile's
-// K-slices only once the other has received all of its own ("turn" barriers): the mainloops then run
-// one after the other, and no consumer waits on a ring stage more than one phase ahead (mbarrier parity
-// waits cannot tell phases two apart). (A cooperative 128 x 256 schedule, both consumers on one tile,
-// measured slower on an H200: 4.90 against 4.63 ms for the 2B gate, 4.68 against 4.14 for the down GEMM.)
+// shared-memory stages with TMA. Warpgroups 1 and 2 are consumers, each owning 128 output rows by 128
+// columns (two m64n128k16 wgmma chains), in one of two schedules:
+// * ping-pong (tile_m 128): the consumers take alternate 128 x 128 tiles; while one runs its epilogue,
+//   the other's MMAs run, so the epilogue hides behind the tensor cores. A consumer starts waiting for
+//   its tile's K-slices only once the other has received all of its own ("turn" barriers): the
+//   mainloops then run one after the other, and no consumer waits on a ring stage more than one phase
+//   ahead (mbarrier parity waits cannot tell phases two apart). The gate and gate-times-up GEMMs use it.
+// * cooperative (tile_m 256): both consumers work on one 256 x 128 tile (rows 0-127 and 128-255), so
+//   the B slice serves twice the rows and the L2 traffic per output falls, but the epilogue is exposed.
+//   It pays where the mainloop is long beside the epilogue: the dense-path down projection (K = the
+//   intermediate size; H200, 2B shape: 4.0-4.1 against 4.4-4.5 ms), not the gate (5.0 against 4.7 ms).
+//   On the dense path a 256-row tile runs if either of its blocks is dense; a consumer whose block is
+//   sparse (or past the end) only receives and releases the stages, without MMAs.
 // The dense-path kernels read the per-block test once per CTA into a shared bitmap, and a CTA exits at
 // once when no block is dense.
 //
@@ -56,17 +62,32 @@
 namespace twell {
 namespace {
 
-constexpr int kBlockM = 128;  // = the dense/sparse decision block: a tile belongs to exactly one block
+constexpr int kBlockM = kDecisionRows;  // one consumer's rows: they lie in exactly one decision block
 constexpr int kBlockN = 128;  // = the TwELL tile
 constexpr int kBlockK = 64;   // 64 x 2 bytes = one 128-byte swizzle row
-constexpr int kStages = 6;
 constexpr int kThreads = 384;
-constexpr int kTileBytes = kBlockM * kBlockK * 2;  // A and B slices are the same size
-constexpr int kStageBytes = 2 * kTileBytes;
+constexpr int kRingBytes = 192 * 1024;
+constexpr int kMaxStages = 6;
 constexpr int kBitmapBlocks = 65536;  // dense-block bitmap: 8 KB of shared memory
-constexpr int kBarrierBytes = (2 * kStages + 2) * 8;
-constexpr int kSmemBytes = kStages * kStageBytes + 1024 /* alignment */ + kBarrierBytes + kBitmapBlocks / 8;
+constexpr int kBarrierBytes = (2 * kMaxStages + 2) * 8;
+constexpr int kSmemBytes = kRingBytes + 1024 /* alignment */ + kBarrierBytes + kBitmapBlocks / 8;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+
+// The two schedules (see the file comment): ping-pong, 128 x 128 tiles that the consumers take in turn;
+// cooperative, 256 x 128 tiles that both consumers share (rows 0-127 and 128-255), half the A traffic
+// per output again at the price of an epilogue the tensor cores wait for.
+template <int kTileM>
+struct Schedule {
+  static_assert(kTileM == 128 || kTileM == 256, "ping-pong or cooperative");
+  static constexpr bool kCoop = kTileM == 256;
+  static constexpr int kBlocksPerTile = kTileM / kBlockM;
+  static constexpr int kATileBytes = kTileM * kBlockK * 2;
+  static constexpr int kBTileBytes = kBlockN * kBlockK * 2;
+  static constexpr int kStageBytes = kATileBytes + kBTileBytes;
+  static constexpr int kStages = kRingBytes / kStageBytes;          // 6 or 4
+  static constexpr int kReleasingWarps = kCoop ? 8 : 4;            // consumer warps that read each stage
+  static_assert(kStages <= kMaxStages && kStages * kStageBytes == kRingBytes, "ring");
+};
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers
 
@@ -130,6 +151,17 @@ struct BlockFilter {
   DenseBlockTest test;
   __device__ __forceinline__ bool dense(int blk) const {
     return bits != nullptr ? (bits[blk >> 5] >> (blk & 31)) & 1u : test(blk);
+  }
+  // A tile of kBlocks decision blocks (pm-th such run) is computed if any of its blocks is dense.
+  template <int kBlocks>
+  __device__ __forceinline__ bool any_dense(int pm) const {
+    bool any = false;
+#pragma unroll
+    for (int i = 0; i < kBlocks; ++i) {
+      const int blk = pm * kBlocks + i;
+      any |= blk < test.n_blocks && dense(blk);
+    }
+    return any;
   }
 };
 
@@ -216,25 +248,36 @@ __device__ __forceinline__ uint32_t relu_pair(uint32_t pair) {
   return (is_active(Dtype16<T>::value(lo)) ? lo : 0u) | (is_active(Dtype16<T>::value(hi)) ? hi << 16 : 0u);
 }
 
+// Gate times up: what one load round trip brings of a (row, TwELL tile)'s gate: its count and, when
+// the layout allows (slots_vec8), its first 8 slots, loaded before it is known how many are live (they
+// always lie inside the row-tile's cap slots).
+struct GateHead {
+  int count;
+  uint32_t first[8];
+};
+
+__device__ __forceinline__ void load_gate_head(int64_t row, int tile, const EpilogueArgs& args, GateHead& head) {
+  const int64_t row_tile = row * args.n_tiles_n + tile;
+  if (args.slots_vec8) {
+    const uint32_t* slots = args.packed + row_tile * args.cap;
+    const uint4 lo = *reinterpret_cast<const uint4*>(slots);
+    const uint4 hi = *reinterpret_cast<const uint4*>(slots + 4);
+    head.first[0] = lo.x, head.first[1] = lo.y, head.first[2] = lo.z, head.first[3] = lo.w;
+    head.first[4] = hi.x, head.first[5] = hi.y, head.first[6] = hi.z, head.first[7] = hi.w;
+  }
+  head.count = args.counts[row_tile];
+}
+
 // Gate times up: this thread's 32 gate values of one (row, TwELL tile), as 16 pairs of 16-bit values
 // (columns 8 q + 2 lq + {0, 1}), straight from the gate kernel's output: the packed slots, or for a
 // tile past capacity the backup row in `c` (pre-activations, relu applied here). No pass expands the
 // gate densely first.
 template <typename T>
 __device__ __forceinline__ void load_gate(int64_t row, int tile, int cols_left, int lq, bool pairs,
-                                          const EpilogueArgs& args, uint32_t (&g)[16]) {
+                                          const EpilogueArgs& args, const GateHead& head, uint32_t (&g)[16]) {
   const int64_t row_tile = row * args.n_tiles_n + tile;
   const uint32_t* slots = args.packed + row_tile * args.cap;
-  // The first 8 slots are loaded together with the count, before it is known how many are live (they
-  // always lie inside the row-tile's cap slots): one round trip to L2 instead of two.
-  uint32_t first[8];
-  if (args.slots_vec8) {
-    const uint4 lo = *reinterpret_cast<const uint4*>(slots);
-    const uint4 hi = *reinterpret_cast<const uint4*>(slots + 4);
-    first[0] = lo.x, first[1] = lo.y, first[2] = lo.z, first[3] = lo.w;
-    first[4] = hi.x, first[5] = hi.y, first[6] = hi.z, first[7] = hi.w;
-  }
-  const int count = args.counts[row_tile];
+  const int count = head.count;
   if (count > args.cap) {
     const uint16_t* c_row = static_cast<const uint16_t*>(args.c) + row * args.N + static_cast<int64_t>(tile) * kBlockN;
 #pragma unroll
@@ -255,11 +298,14 @@ __device__ __forceinline__ void load_gate(int64_t row, int tile, int cols_left, 
       uint32_t words[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const uint32_t word = s0 == 0 && args.slots_vec8 ? first[i] : (s0 + i < count ? slots[s0 + i] : 0u);
+        const uint32_t word = s0 == 0 && args.slots_vec8 ? head.first[i] : (s0 + i < count ? slots[s0 + i] : 0u);
         words[i] = s0 + i < count ? word : 0xffffffffu;  // past the count: no column
       }
+      // Only the live words (most row-tiles hold 0 to 2 at the sparsities TwELL is for): the unrolled
+      // scatter below costs about 50 instructions a word.
 #pragma unroll
       for (int i = 0; i < 8; ++i) {  // value bits << 16 | column in tile; this lane's columns only
+        if (s0 + i >= count) break;
         const int col = static_cast<int>(words[i] & 0xffffu);
         const bool mine = col < kBlockN && ((col >> 1) & 3) == lq;
         const uint32_t v = mine ? (words[i] >> 16) << (16 * (col & 1)) : 0u;
@@ -273,8 +319,8 @@ __device__ __forceinline__ void load_gate(int64_t row, int tile, int cols_left, 
 
 // Gate times up: started when a consumer begins a tile's mainloop, so that its epilogue finds the gate
 // (count, slots, backup row) in L2 rather than waiting on device memory. One row per consumer thread.
-__device__ __forceinline__ void prefetch_gate(int pm, int tile, int t, const EpilogueArgs& args) {
-  const int row = pm * kBlockM + t;
+__device__ __forceinline__ void prefetch_gate(int first_row, int tile, int t, const EpilogueArgs& args) {
+  const int row = first_row + t;
   if (row >= args.M) return;
   const int64_t row_tile = static_cast<int64_t>(row) * args.n_tiles_n + tile;
   ptx::prefetch_l2(args.counts + row_tile);
@@ -287,12 +333,11 @@ __device__ __forceinline__ void prefetch_gate(int pm, int tile, int t, const Epi
 
 // Dense-path epilogues for the 64 rows one accumulator chain holds: h = g * round(acc) (kGateTimesUp,
 // g from load_gate, h written over `c`), or c = round(acc) (kStore). Bias is already folded into acc.
-// A row's loads are all issued before its first store, so the stores (which may alias the backup
-// loaded from) do not serialise them. (One row at a time: the kernel's 168 registers hold the two
-// accumulator chains and one row's 16 gate pairs.)
+// The gate heads of both rows were loaded before the first store, so the stores (which may alias the
+// backup) do not put a round trip to L2 between one row and the next.
 template <typename T, Epilogue kMode>
 __device__ __forceinline__ void store_rows(const float (&acc)[64], int row0, int tile, int cols_left, int lane,
-                                           const EpilogueArgs& args) {
+                                           const EpilogueArgs& args, const GateHead (&heads)[2]) {
   const int lq = lane & 3;
   const bool pairs = (args.N & 1) == 0;  // two adjacent columns as one 4-byte access
 #pragma unroll
@@ -300,23 +345,21 @@ __device__ __forceinline__ void store_rows(const float (&acc)[64], int row0, int
     const int row = row0 + 8 * half;
     if (row >= args.M) continue;
     uint32_t g[16];
-    if constexpr (kMode == Epilogue::kGateTimesUp) load_gate<T>(row, tile, cols_left, lq, pairs, args, g);
+    if constexpr (kMode == Epilogue::kGateTimesUp) load_gate<T>(row, tile, cols_left, lq, pairs, args, heads[half], g);
     uint16_t* c_row = static_cast<uint16_t*>(args.c) + static_cast<int64_t>(row) * args.N +
                       static_cast<int64_t>(tile) * kBlockN;
 #pragma unroll
     for (int q = 0; q < 16; ++q) {
       const int col = q * 8 + lq * 2;
-      uint32_t v0 = Dtype16<T>::bits(acc[4 * q + 2 * half]);
-      uint32_t v1 = Dtype16<T>::bits(acc[4 * q + 2 * half + 1]);
-      if constexpr (kMode == Epilogue::kGateTimesUp) {
-        v0 = Dtype16<T>::bits(Dtype16<T>::value(g[q] & 0xffffu) * Dtype16<T>::value(v0));
-        v1 = Dtype16<T>::bits(Dtype16<T>::value(g[q] >> 16) * Dtype16<T>::value(v1));
-      }
+      // Packed pairs throughout (one cvt, one multiply per two values): the epilogue's instruction count
+      // decides whether it hides behind the other consumer's mainloop.
+      uint32_t pair = Dtype16<T>::pair_bits(acc[4 * q + 2 * half], acc[4 * q + 2 * half + 1]);
+      if constexpr (kMode == Epilogue::kGateTimesUp) pair = Dtype16<T>::mul_pairs(g[q], pair);
       if (pairs && col + 1 < cols_left) {
-        *reinterpret_cast<uint32_t*>(c_row + col) = v0 | (v1 << 16);
+        *reinterpret_cast<uint32_t*>(c_row + col) = pair;
       } else {
-        if (col < cols_left) c_row[col] = static_cast<uint16_t>(v0);
-        if (col + 1 < cols_left) c_row[col + 1] = static_cast<uint16_t>(v1);
+        if (col < cols_left) c_row[col] = static_cast<uint16_t>(pair);
+        if (col + 1 < cols_left) c_row[col + 1] = static_cast<uint16_t>(pair >> 16);
       }
     }
   }
@@ -326,7 +369,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[64], int row0, int
 // TwELL tile. Folds the bias in, then packs or stores; returns the pack's counts through nnz/overflowed.
 template <typename T, Epilogue kMode>
 __device__ __forceinline__ void finish_chunk(float (&acc)[64], int row0, int tile, int lane, const EpilogueArgs& args,
-                                             int& nnz, int& overflowed) {
+                                             const GateHead (&heads)[2], int& nnz, int& overflowed) {
   const int cols_left = args.N - tile * kBlockN;
   if (args.bias != nullptr) {  // each column's bias serves two accumulators
 #pragma unroll
@@ -342,21 +385,21 @@ __device__ __forceinline__ void finish_chunk(float (&acc)[64], int row0, int til
   if constexpr (kMode == Epilogue::kTwellPack) {
     pack_rows<T>(acc, row0, tile, cols_left, lane, args, nnz, overflowed);
   } else {
-    store_rows<T, kMode>(acc, row0, tile, cols_left, lane, args);
+    store_rows<T, kMode>(acc, row0, tile, cols_left, lane, args, heads);
   }
 }
 
 // The pack epilogue's per-block totals: one atomic per warp and counter.
-__device__ __forceinline__ void add_block_counts(int nnz, int overflowed, int pm, int n_tiles_m, int lane,
-                                                 const EpilogueArgs& args) {
+__device__ __forceinline__ void add_block_counts(int nnz, int overflowed, int block, int lane, const EpilogueArgs& args) {
+  const int n_blocks = (args.M + kBlockM - 1) / kBlockM;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     nnz += __shfl_xor_sync(0xffffffffu, nnz, o);
     overflowed += __shfl_xor_sync(0xffffffffu, overflowed, o);
   }
   if (lane == 0) {
-    if (nnz) atomicAdd(&args.block_nnz[pm], nnz);
-    if (overflowed) atomicAdd(&args.block_nnz[n_tiles_m + pm], overflowed);
+    if (nnz) atomicAdd(&args.block_nnz[block], nnz);
+    if (overflowed) atomicAdd(&args.block_nnz[n_blocks + block], overflowed);
   }
 }
 
@@ -370,17 +413,19 @@ struct Smem {
   uint32_t* bits;   // dense-block bitmap
 };
 
-template <Epilogue kMode, int kCluster>
+template <Epilogue kMode, int kCluster, int kTileM>
 __device__ __forceinline__ bool setup(uint8_t* smem_raw, const EpilogueArgs& args, Smem& sm, BlockFilter& filter) {
   sm.stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  sm.full = reinterpret_cast<uint64_t*>(sm.stages + kStages * kStageBytes);
-  sm.empty = sm.full + kStages;
-  sm.turn = sm.empty + kStages;
+  using S = Schedule<kTileM>;
+  sm.full = reinterpret_cast<uint64_t*>(sm.stages + kRingBytes);
+  sm.empty = sm.full + S::kStages;
+  sm.turn = sm.empty + S::kStages;
   sm.bits = reinterpret_cast<uint32_t*>(sm.turn + 2);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(&sm.full[s], 1);   // the producer's expect_tx arrival (+ the TMA bytes)
-      ptx::mbarrier_init(&sm.empty[s], 4 * kCluster);  // one arrival per consumer warp, in each CTA it feeds
+    for (int s = 0; s < S::kStages; ++s) {
+      ptx::mbarrier_init(&sm.full[s], 1);  // the producer's expect_tx arrival (+ the TMA bytes)
+      // one arrival per consumer warp that reads the stage, in each CTA it feeds
+      ptx::mbarrier_init(&sm.empty[s], S::kReleasingWarps * kCluster);
     }
     for (int c = 0; c < 2; ++c) ptx::mbarrier_init(&sm.turn[c], 4);
     ptx::fence_barrier_init();
@@ -401,12 +446,13 @@ __device__ __forceinline__ bool setup(uint8_t* smem_raw, const EpilogueArgs& arg
 
 // Producer warpgroup: one thread streams each kept tile's K-slices of A and B. In a cluster, a stage is
 // refilled once the consumers of both CTAs have released it (its empty barrier counts both), and this
-// CTA's half of the A slice goes to both (the 128-byte swizzle repeats every 8 rows, so a 64-row half
-// lands exactly where the whole tile's load would put it). TMA zero-fills rows past the end of A or B;
-// a box wholly past the end is replaced by rows 0 (those results are never stored).
-template <Epilogue kMode, int kCluster>
+// CTA's half of the A slice goes to both (the 128-byte swizzle repeats every 8 rows, so a half lands
+// exactly where the whole tile's load would put it). TMA zero-fills rows past the end of A or B; a box
+// wholly past the end is replaced by rows 0 (those results are never stored).
+template <Epilogue kMode, int kCluster, int kTileM>
 __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map, const Smem& sm,
                                         const BlockFilter& filter, int k_steps, int rows, const TileWalk<kCluster>& walk) {
+  using S = Schedule<kTileM>;
   ptx::setmaxnreg_dec<kProducerRegs>();
   if (threadIdx.x != 0) return;
   ptx::prefetch_tensor_map(a_map);
@@ -415,20 +461,20 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
   for (int unit = walk.first; unit < walk.n_units(); unit += walk.stride) {
     int pm, pn;
     walk.coords(unit, pm, pn);
-    if (kMode != Epilogue::kTwellPack && !filter.dense(pm)) continue;
+    if (kMode != Epilogue::kTwellPack && !filter.any_dense<S::kBlocksPerTile>(pm)) continue;
     for (int ks = 0; ks < k_steps; ++ks, ++it) {
-      const uint32_t stage = it % kStages;
-      ptx::mbarrier_wait(&sm.empty[stage], ((it / kStages) & 1) ^ 1);
-      ptx::mbarrier_arrive_expect_tx(&sm.full[stage], kStageBytes);
-      uint8_t* dst = sm.stages + stage * kStageBytes;
+      const uint32_t stage = it % S::kStages;
+      ptx::mbarrier_wait(&sm.empty[stage], ((it / S::kStages) & 1) ^ 1);
+      ptx::mbarrier_arrive_expect_tx(&sm.full[stage], S::kStageBytes);
+      uint8_t* dst = sm.stages + stage * S::kStageBytes;
       if constexpr (kCluster == 1) {
-        ptx::tma_load_2d(dst, a_map, &sm.full[stage], ks * kBlockK, pm * kBlockM);
+        ptx::tma_load_2d(dst, a_map, &sm.full[stage], ks * kBlockK, pm * kTileM);
       } else {
-        const int a_row = pm * kBlockM + walk.rank * (kBlockM / kCluster);
-        ptx::tma_load_2d_multicast(dst + walk.rank * (kTileBytes / kCluster), a_map, &sm.full[stage], ks * kBlockK,
-                                   a_row < rows ? a_row : 0, (1u << kCluster) - 1u);
+        const int a_row = pm * kTileM + walk.rank * (kTileM / kCluster);
+        ptx::tma_load_2d_multicast(dst + walk.rank * (S::kATileBytes / kCluster), a_map, &sm.full[stage],
+                                   ks * kBlockK, a_row < rows ? a_row : 0, (1u << kCluster) - 1u);
       }
-      ptx::tma_load_2d(dst + kTileBytes, b_map, &sm.full[stage], ks * kBlockK, walk.real(pn) ? pn * kBlockN : 0);
+      ptx::tma_load_2d(dst + S::kATileBytes, b_map, &sm.full[stage], ks * kBlockK, walk.real(pn) ? pn * kBlockN : 0);
     }
   }
 }
@@ -441,39 +487,63 @@ __device__ __forceinline__ void release_stage(const Smem& sm, uint32_t stage, in
   if constexpr (kCluster == 2) ptx::mbarrier_arrive_cluster(&sm.empty[stage], static_cast<uint32_t>(rank ^ 1));
 }
 
-// Consumer warpgroups: alternate kept tiles, mainloop then epilogue (see the file comment).
-template <typename T, Epilogue kMode, int kCluster>
+// Consumer warpgroups, mainloop then epilogue per tile (see the file comment). Ping-pong: the consumers
+// take alternate kept tiles, all 128 rows each. Cooperative: both take every tile, 128 rows each.
+template <typename T, Epilogue kMode, int kCluster, int kTileM>
 __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm, const BlockFilter& filter,
                                         int k_steps, const TileWalk<kCluster>& walk) {
+  using S = Schedule<kTileM>;
   ptx::setmaxnreg_inc<kConsumerRegs>();
   const int consumer = static_cast<int>(threadIdx.x) / 128 - 1;
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
-  float acc_top[64], acc_bottom[64];  // rows 0-63 and 64-127 of the tile
+  // This consumer's rows within a tile, and their offset in the stage's A slice (128 bytes per row).
+  const int tile_row0 = S::kCoop ? consumer * kBlockM : 0;
+  float acc_top[64], acc_bottom[64];  // rows 0-63 and 64-127 of this consumer's rows
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc_top[i] = acc_bottom[i] = 0.f;
 
-  // Every role applies the same filter, so the k-th tile kept is the same for all (consumer k % 2
-  // computes it, at ring position k * k_steps).
+  // Every role applies the same filter, so the k-th tile kept is the same for all (ping-pong: consumer
+  // k % 2 computes it; at ring position k * k_steps in both schedules).
   int kept = 0;
   for (int unit = walk.first; unit < walk.n_units(); unit += walk.stride) {
     int pm, pn;
     walk.coords(unit, pm, pn);
-    if (kMode != Epilogue::kTwellPack && !filter.dense(pm)) continue;
+    if (kMode != Epilogue::kTwellPack && !filter.any_dense<S::kBlocksPerTile>(pm)) continue;
     const int j = kept++;
-    if (j % 2 != consumer) continue;
-    // Tile j waits until the other consumer has all of tile j - 1 (its ((j - 1) / 2)-th turn).
-    if (j > 0) ptx::mbarrier_wait(&sm.turn[consumer], ((j - 1) / 2) & 1);
-    if constexpr (kMode == Epilogue::kGateTimesUp) {
-      if (walk.real(pn)) prefetch_gate(pm, pn, t, args);
+    if constexpr (!S::kCoop) {
+      if (j % 2 != consumer) continue;
+      // Tile j waits until the other consumer has all of tile j - 1 (its ((j - 1) / 2)-th turn).
+      if (j > 0) ptx::mbarrier_wait(&sm.turn[consumer], ((j - 1) / 2) & 1);
     }
+    const int block = pm * S::kBlocksPerTile + (S::kCoop ? consumer : 0);  // this consumer's decision block
+    const int first_row = pm * kTileM + tile_row0;
     uint32_t it = static_cast<uint32_t>(j) * k_steps;
+    if constexpr (S::kCoop) {
+      // Rows past the end, or on the dense path a block left to the sparse path, need no MMAs (the
+      // other consumer then has the tensor cores to itself): the stages are only received and released
+      // in step. (A separate loop: a condition around the wgmmas of the main one made the ping-pong
+      // gate 1.5x slower.)
+      bool compute = first_row < args.M;
+      if constexpr (kMode != Epilogue::kTwellPack) compute = compute && filter.dense(block);
+      if (!compute) {
+        for (int ks = 0; ks < k_steps; ++ks, ++it) {
+          const uint32_t stage = it % S::kStages;
+          ptx::mbarrier_wait(&sm.full[stage], (it / S::kStages) & 1);
+          if (lane == 0) release_stage<kCluster>(sm, stage, walk.rank);
+        }
+        continue;
+      }
+    }
+    if constexpr (kMode == Epilogue::kGateTimesUp) {
+      if (walk.real(pn)) prefetch_gate(first_row, pn, t, args);
+    }
     uint32_t prev_stage = 0;
     for (int ks = 0; ks < k_steps; ++ks, ++it) {
-      const uint32_t stage = it % kStages;
-      ptx::mbarrier_wait(&sm.full[stage], (it / kStages) & 1);
-      const uint8_t* a = sm.stages + stage * kStageBytes;
-      const uint64_t desc_a = ptx::sw128_kmajor_desc(a);
-      const uint64_t desc_b = ptx::sw128_kmajor_desc(a + kTileBytes);
+      const uint32_t stage = it % S::kStages;
+      ptx::mbarrier_wait(&sm.full[stage], (it / S::kStages) & 1);
+      const uint8_t* a = sm.stages + stage * S::kStageBytes;
+      const uint64_t desc_a = ptx::sw128_kmajor_desc(a + tile_row0 * 128);
+      const uint64_t desc_b = ptx::sw128_kmajor_desc(a + S::kATileBytes);
       fence_operands(acc_top);
       fence_operands(acc_bottom);
       ptx::wgmma_fence();
@@ -485,7 +555,9 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
         ptx::wgmma_m64n128k16<Dtype16<T>::kBF16>(acc_bottom, desc_a + 512 + 2 * kk, desc_b + 2 * kk, scale_d);
       }
       ptx::wgmma_commit();
-      if (ks == k_steps - 1 && lane == 0) ptx::mbarrier_arrive(&sm.turn[1 - consumer]);
+      if constexpr (!S::kCoop) {
+        if (ks == k_steps - 1 && lane == 0) ptx::mbarrier_arrive(&sm.turn[1 - consumer]);
+      }
       fence_operands(acc_top);
       fence_operands(acc_bottom);
       ptx::wgmma_wait<1>();  // the previous slice's MMAs are done: its stage can be refilled
@@ -498,16 +570,29 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
     if (lane == 0) release_stage<kCluster>(sm, prev_stage, walk.rank);
     if (!walk.real(pn)) continue;
 
-    const int row0 = pm * kBlockM + warp * 16 + lane / 4;
+    const int row0 = first_row + warp * 16 + lane / 4;
     int nnz = 0, overflowed = 0;
-    finish_chunk<T, kMode>(acc_top, row0, pn, lane, args, nnz, overflowed);
-    finish_chunk<T, kMode>(acc_bottom, row0 + 64, pn, lane, args, nnz, overflowed);
-    if constexpr (kMode == Epilogue::kTwellPack) add_block_counts(nnz, overflowed, pm, walk.n_tiles_m, lane, args);
+#pragma unroll
+    for (int chain = 0; chain < 2; ++chain) {
+      // Gate times up: the gate of both of the chain's rows for this thread in one round trip, before
+      // anything is stored.
+      GateHead heads[2];
+      if constexpr (kMode == Epilogue::kGateTimesUp) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int row = row0 + 64 * chain + 8 * i;
+          if (row < args.M) load_gate_head(row, pn, args, heads[i]);
+        }
+      }
+      finish_chunk<T, kMode>(chain == 0 ? acc_top : acc_bottom, row0 + 64 * chain, pn, lane, args, heads, nnz,
+                             overflowed);
+    }
+    if constexpr (kMode == Epilogue::kTwellPack) add_block_counts(nnz, overflowed, block, lane, args);
   }
 }
 
 // See the file comment.
-template <typename T, Epilogue kMode, int kCluster>
+template <typename T, Epilogue kMode, int kCluster, int kTileM>
 __global__ void __launch_bounds__(kThreads, 1) twell_gemm_kernel(
     const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map, EpilogueArgs args,
     int K, int n_tiles_m, int n_tiles_n, int group_m) {
@@ -515,13 +600,13 @@ __global__ void __launch_bounds__(kThreads, 1) twell_gemm_kernel(
   extern __shared__ uint8_t smem_raw[];
   Smem sm;
   BlockFilter filter;
-  if (!setup<kMode, kCluster>(smem_raw, args, sm, filter)) return;
+  if (!setup<kMode, kCluster, kTileM>(smem_raw, args, sm, filter)) return;
   const int k_steps = (K + kBlockK - 1) / kBlockK;
   const TileWalk<kCluster> walk(n_tiles_m, n_tiles_n, group_m);
   if (threadIdx.x < 128) {
-    produce<kMode, kCluster>(&a_map, &b_map, sm, filter, k_steps, args.M, walk);
+    produce<kMode, kCluster, kTileM>(&a_map, &b_map, sm, filter, k_steps, args.M, walk);
   } else {
-    consume<T, kMode, kCluster>(args, sm, filter, k_steps, walk);
+    consume<T, kMode, kCluster, kTileM>(args, sm, filter, k_steps, walk);
   }
   // The peer may still multicast into this CTA's stages or arrive on its barriers: leave together.
   if constexpr (kCluster > 1) ptx::cluster_sync();
@@ -577,13 +662,13 @@ int resident_clusters(Kernel kernel, cudaLaunchConfig_t config) {
   return resident;
 }
 
-template <typename T, Epilogue kMode, int kCluster>
+template <typename T, Epilogue kMode, int kCluster, int kTileM>
 void launch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, int ctas) {
-  auto kernel = twell_gemm_kernel<T, kMode, kCluster>;
+  auto kernel = twell_gemm_kernel<T, kMode, kCluster, kTileM>;
   // Per call, not cached: the attribute belongs to the current device's context.
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  const CUtensorMap a_map = operand_map(a, kBlockM / kCluster), b_map = operand_map(b, kBlockN);
-  const int n_tiles_m = static_cast<int>((a.size(0) + kBlockM - 1) / kBlockM);
+  const CUtensorMap a_map = operand_map(a, kTileM / kCluster), b_map = operand_map(b, kBlockN);
+  const int n_tiles_m = static_cast<int>((a.size(0) + kTileM - 1) / kTileM);
   const int64_t units = cluster_units(n_tiles_m, args.n_tiles_n, kCluster);
   constexpr int kGroupM = 8;
   cudaLaunchAttribute attribute[1];
@@ -608,27 +693,40 @@ void launch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, 
                                     args.n_tiles_n, kGroupM));
 }
 
-template <Epilogue kMode, int kCluster>
+template <Epilogue kMode, int kCluster, int kTileM>
 void launch_dtype(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, int64_t ctas) {
   if (a.scalar_type() == at::kBFloat16) {
-    launch<__nv_bfloat16, kMode, kCluster>(a, b, args, static_cast<int>(ctas));
+    launch<__nv_bfloat16, kMode, kCluster, kTileM>(a, b, args, static_cast<int>(ctas));
   } else {
-    launch<__half, kMode, kCluster>(a, b, args, static_cast<int>(ctas));
+    launch<__half, kMode, kCluster, kTileM>(a, b, args, static_cast<int>(ctas));
+  }
+}
+
+template <Epilogue kMode, int kTileM>
+void launch_cluster(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, int64_t ctas, int64_t cluster) {
+  const int64_t n_tiles_m = (a.size(0) + kTileM - 1) / kTileM;
+  if (cluster == 2 && cluster_units(n_tiles_m, args.n_tiles_n, 2) >= ctas / 2) {
+    launch_dtype<kMode, 2, kTileM>(a, b, args, ctas);
+  } else {
+    launch_dtype<kMode, 1, kTileM>(a, b, args, ctas);
   }
 }
 
 // cluster: 2 runs the GEMM in pairs of CTAs sharing A tiles (see the file comment) when there are enough
 // tile pairs to keep every pair busy, else single CTAs; 1 always single CTAs. (Clusters of 4 along N
 // were tried: correct, but the 2B gate took 7.7 ms against 4.8 ms for pairs on an H200.)
+// tile_m: 256 runs the cooperative schedule when its tiles fill the grid, else ping-pong; 128 always
+// ping-pong.
 template <Epilogue kMode>
-void dispatch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, int64_t ctas, int64_t cluster) {
+void dispatch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, int64_t ctas, int64_t cluster,
+              int64_t tile_m) {
   TORCH_CHECK(cluster == 1 || cluster == 2, "twell: cluster must be 1 or 2");
+  TORCH_CHECK(tile_m == 128 || tile_m == 256, "twell: tile_m must be 128 or 256");
   const c10::cuda::CUDAGuard guard(a.device());
-  const int64_t n_tiles_m = (a.size(0) + kBlockM - 1) / kBlockM;
-  if (cluster == 2 && cluster_units(n_tiles_m, args.n_tiles_n, 2) >= ctas / 2) {
-    launch_dtype<kMode, 2>(a, b, args, ctas);
+  if (tile_m == 256 && (a.size(0) + 255) / 256 * args.n_tiles_n >= ctas) {
+    launch_cluster<kMode, 256>(a, b, args, ctas, cluster);
   } else {
-    launch_dtype<kMode, 1>(a, b, args, ctas);
+    launch_cluster<kMode, 128>(a, b, args, ctas, cluster);
   }
 }
 
@@ -661,7 +759,7 @@ void check_operands(const at::Tensor& a, const at::Tensor& b, const c10::optiona
 // 2 for pairs of CTAs sharing A tiles where the shape allows, 1 for single CTAs.
 void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                      at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz, int64_t ctas,
-                     int64_t cluster) {
+                     int64_t cluster, int64_t tile_m) {
   check_operands(x, w, bias, dense);
   const int64_t M = x.size(0), F = w.size(0);
   const int64_t n_tiles_n = (F + kBlockN - 1) / kBlockN;
@@ -682,7 +780,7 @@ void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::option
   args.N = static_cast<int>(F);
   args.n_tiles_n = static_cast<int>(n_tiles_n);
   args.cap = static_cast<int>(packed.size(2));
-  dispatch<Epilogue::kTwellPack>(x, w, args, ctas, cluster);
+  dispatch<Epilogue::kTwellPack>(x, w, args, ctas, cluster, tile_m);
 }
 
 // Dense path, rows of dense blocks only: c = a b^T (+ bias); or, given the gate's TwELL output
@@ -691,7 +789,7 @@ void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::option
 void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
                       const at::Tensor& block_nnz, const c10::optional<at::Tensor>& gate_packed,
                       const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
-                      int64_t thr_heavy, int64_t ctas, int64_t cluster) {
+                      int64_t thr_heavy, int64_t ctas, int64_t cluster, int64_t tile_m) {
   check_operands(a, b, bias, c);
   const int64_t M = a.size(0), N = b.size(0);
   const int64_t n_tiles_n = (N + kBlockN - 1) / kBlockN;
@@ -720,9 +818,9 @@ void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optio
     args.counts = gate_counts->data_ptr<int>();
     args.cap = static_cast<int>(gate_packed->size(2));
     args.slots_vec8 = args.cap >= 8 && args.cap % 4 == 0 && reinterpret_cast<uintptr_t>(args.packed) % 16 == 0;
-    dispatch<Epilogue::kGateTimesUp>(a, b, args, ctas, cluster);
+    dispatch<Epilogue::kGateTimesUp>(a, b, args, ctas, cluster, tile_m);
   } else {
-    dispatch<Epilogue::kStore>(a, b, args, ctas, cluster);
+    dispatch<Epilogue::kStore>(a, b, args, ctas, cluster, tile_m);
   }
 }
 

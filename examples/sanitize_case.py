@@ -9,7 +9,11 @@ from twell_compile.testing import make_problem
 for m, (k, f, d), gated, density in [(7, (257, 1031, 131), True, float("inf")), (300, (264, 1000, 200), False, 0.01),
                                      (130, (2048, 5632, 2048), True, 0.0), (64, (2048, 5632, 2048), True, float("inf")),
                                      (520, (2048, 5632, 2048), True, 0.004),  # several tiles per CTA, mixed paths
-                                     (1950, (200, 2600, 1400), True, 0.01)]:  # CTA pairs in all three GEMMs, odd tile counts
+                                     (1950, (200, 2600, 1400), True, 0.01),  # CTA pairs in all three GEMMs, odd tile counts
+                                     (4126, (200, 2600, 1400), True, 0.01)]:  # cooperative 256-row tiles everywhere (below)
+    # The last case: 256-row tiles in all three GEMMs, a last tile whose second half lies past the end,
+    # and a tile of one dense and one sparse block on the dense path.
+    twell_mlp.config.gemm_tile_m = twell_mlp.config.down_gemm_tile_m = 256 if m == 4126 else 128
     twell_mlp.config.dense_block_density = density
     twell_mlp.config.heavy_block_overflow_tiles = 2**31 - 1 if density == float("inf") else 16
     p = make_problem(m, k, f, d, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0,))

@@ -18,7 +18,13 @@ pytestmark = pytest.mark.cuda
 TILE = 128
 
 
-def _run_gate(x, w, bias, cap=8, cluster=2):
+# (cluster, tile_m, ctas): ping-pong in single CTAs and in pairs on the whole GPU; the cooperative
+# schedule on a grid of 2 CTAs, so that it runs (rather than falling back to ping-pong for want of
+# tiles) at every shape, with many tiles per CTA.
+SCHEDULES = {"single": (1, 128, None), "pairs": (2, 128, None), "coop": (1, 256, 2), "coop-pairs": (2, 256, 2)}
+
+
+def _run_gate(x, w, bias, cap=8, cluster=2, tile_m=128, ctas=None):
     from twell_compile.kernels import build
 
     m, f = x.shape[0], w.shape[0]
@@ -27,8 +33,9 @@ def _run_gate(x, w, bias, cap=8, cluster=2):
     counts = torch.full((m, tiles), -7, dtype=torch.int32, device=x.device)
     dense = torch.full((m, f), float("nan"), dtype=x.dtype, device=x.device)
     block_nnz = torch.zeros(2 * -(-m // 128), dtype=torch.int32, device=x.device)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    build.cuda_extension().gate_twell_gemm(x, w, bias, packed, counts, dense, block_nnz, sms, cluster)
+    if ctas is None:
+        ctas = torch.cuda.get_device_properties(x.device).multi_processor_count
+    build.cuda_extension().gate_twell_gemm(x, w, bias, packed, counts, dense, block_nnz, ctas, cluster, tile_m)
     return packed, counts, dense, block_nnz
 
 
@@ -44,12 +51,12 @@ def _run_gate(x, w, bias, cap=8, cluster=2):
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("cluster", [1, 2], ids=["single", "pairs"])
-def test_gate_gemm_writes_exact_twell(m, k, f, nnz, skew, dtype, bias, cluster):
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_gate_gemm_writes_exact_twell(m, k, f, nnz, skew, dtype, bias, schedule):
     problem = make_problem(m, k, f, nnz_per_row=nnz, skew=skew, dtype=dtype, bias=bias)
     x, w, b = problem.x, problem.gate_weight, problem.gate_bias
     cap = 8
-    packed, counts, dense, block_nnz = _run_gate(x, w, b, cap, cluster)
+    packed, counts, dense, block_nnz = _run_gate(x, w, b, cap, *SCHEDULES[schedule])
     torch.cuda.synchronize()
 
     tiles = -(-f // TILE)
@@ -103,8 +110,12 @@ def test_gate_gemm_rejects_unaligned_rows():
 
 
 @requires_twell_kernels
-def test_gate_gemm_rejects_bad_cluster_size():
+@pytest.mark.parametrize("schedule,message", [
+    (dict(cluster=3), "cluster must be 1 or 2"),
+    (dict(tile_m=64), "tile_m must be 128 or 256"),
+], ids=["cluster", "tile_m"])
+def test_gate_gemm_rejects_bad_schedule(schedule, message):
     x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="cluster must be 1 or 2"):
-        _run_gate(x, w, None, cluster=3)
+    with pytest.raises(RuntimeError, match=message):
+        _run_gate(x, w, None, **schedule)

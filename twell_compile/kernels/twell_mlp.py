@@ -46,6 +46,16 @@ class KernelConfig:
     gemm_cluster: int = int(os.environ.get("TWELL_GEMM_CLUSTER", "2"))
     """2: the wgmma GEMMs run in 2-CTA clusters that share each x (or h) tile by TMA multicast (half the
     L2 traffic for it) where there are enough tile pairs; 1: single CTAs (for comparison)."""
+    gemm_tile_m: int = int(os.environ.get("TWELL_GEMM_TILE_M", "128"))
+    """The gate and gate-times-up GEMMs' schedule. 128: ping-pong (128 x 128 tiles, each consumer
+    warpgroup's epilogue hidden behind the other's MMAs); 256: cooperative (256 x 128 tiles, both
+    consumers on one tile: less L2 traffic per output, but the epilogue is exposed) where its tiles
+    fill the GPU. Ping-pong was faster for these two on an H200 (gate 4.7 against 5.0 ms, gate-times-up
+    5.0-5.1 against 5.5 ms at the 2B shape)."""
+    down_gemm_tile_m: int = int(os.environ.get("TWELL_DOWN_GEMM_TILE_M", "256"))
+    """The dense-path down GEMM's schedule (as gemm_tile_m). Its K is the intermediate size, so its
+    mainloop is long beside its epilogue and the cooperative tiles pay (H200, 2B shape: 4.0-4.1 against
+    4.4-4.5 ms)."""
     tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
     """Let the Triton kernels load through TMA descriptors where rows allow (off: pointer loads)."""
     poison_buffers: bool = False
@@ -248,7 +258,8 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     sms = _num_sms(x.device)
     cuda_gate = wgmma_ok and (plan.block_m, plan.tile_n) == (128, 128)
     if cuda_gate:
-        ext.gate_twell_gemm(x2, act_weight, act_bias, packed, counts, dense, block_nnz, sms, config.gemm_cluster)
+        ext.gate_twell_gemm(x2, act_weight, act_bias, packed, counts, dense, block_nnz, sms, config.gemm_cluster,
+                            config.gemm_tile_m)
     else:
         _triton_gate(plan, x2, act_weight, act_bias, packed, counts, dense, block_nnz, n_tiles)
     thr_full, thr_last = _dense_thresholds(m, f)
@@ -271,11 +282,11 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     if cuda_gate and _tma_ok(*operands):
         if gated:
             ext.dense_block_gemm(x2, up_weight, up_bias, dense, block_nnz, packed, counts, *thresholds, sms,
-                                 config.gemm_cluster)
+                                 config.gemm_cluster, config.gemm_tile_m)
         else:
             ext.rebuild_dense_gate(packed, counts, dense, block_nnz, *thresholds)
         ext.dense_block_gemm(dense, down_weight, down_bias, out, block_nnz, None, None, *thresholds, sms,
-                             config.gemm_cluster)
+                             config.gemm_cluster, config.down_gemm_tile_m)
     else:
         _triton_dense_path(plan, gated, x2, up_weight, up_bias, down_weight, down_bias, packed, counts, dense,
                            block_nnz, out, thresholds)
