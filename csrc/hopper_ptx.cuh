@@ -1,6 +1,6 @@
-// Thin wrappers over the Hopper (sm_90a) PTX the gate GEMM needs: mbarriers, TMA tensor loads (also
-// multicast to a cluster), warpgroup MMA (wgmma) and its shared-memory matrix descriptors, register
-// reallocation.
+// Thin wrappers over the Hopper (sm_90a) PTX the gate GEMMs need: mbarriers, TMA tensor loads (also
+// multicast to a cluster), distributed shared memory, warpgroup MMA (wgmma) and its shared-memory matrix
+// descriptors, warp-level MMA (mma.sync, the decode GEMV), register reallocation.
 // Semantics are the PTX ISA's; names follow the instructions so the kernel reads like the ISA guide.
 #pragma once
 
@@ -82,6 +82,16 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// Reads 4 floats at the same shared-memory offset in CTA `cta` of the cluster (distributed shared memory).
+__device__ __forceinline__ float4 ld_shared_cluster_v4(const void* local, uint32_t cta) {
+  float4 v;
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %4, %5;\n"
+      "ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [remote];\n}"
+      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(smem_addr(local)), "r"(cta) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(tensor_map) : "memory");
 }
@@ -94,6 +104,31 @@ template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs)); }
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs)); }
+
+// ---- mma.sync (warp-level tensor-core MMA) ---------------------------------------------------------
+// d[16x8] += A[16x16] . B[16x8], fp32 accumulators. Lane l (g = l / 4, q = l % 4) holds
+// a = {A[g][2q..], A[g+8][2q..], A[g][2q+8..], A[g+8][2q+8..]}, b = {B[2q..][g], B[2q+8..][g]} (pairs of
+// 16-bit values) and d = {D[g][2q], D[g][2q+1], D[g+8][2q], D[g+8][2q+1]}.
+template <bool kBF16>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+#define TWELL_MMA_M16N8K16_ASM(AB)                                                                              \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, " \
+               "{%8, %9}, {%0, %1, %2, %3};"                                                                     \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                                   \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+
+template <>
+__device__ __forceinline__ void mma_m16n8k16<true>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  TWELL_MMA_M16N8K16_ASM("bf16");
+}
+
+template <>
+__device__ __forceinline__ void mma_m16n8k16<false>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  TWELL_MMA_M16N8K16_ASM("f16");
+}
+
+#undef TWELL_MMA_M16N8K16_ASM
 
 // ---- wgmma ----------------------------------------------------------------------------------------
 // Descriptor of a K-major tile stored as TMA's 128-byte swizzle writes it: rows of 128 bytes, 8-row

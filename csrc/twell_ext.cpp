@@ -13,6 +13,8 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
 void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                      at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz, int64_t ctas,
                      int64_t cluster, int64_t tile_m);
+void decode_gate_twell(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                       at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz);
 void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
                       const at::Tensor& block_nnz, const c10::optional<at::Tensor>& gate_packed,
                       const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
@@ -34,6 +36,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("packed"),
         pybind11::arg("counts"), pybind11::arg("dense"), pybind11::arg("block_nnz"), pybind11::arg("ctas"),
         pybind11::arg("cluster") = 2, pybind11::arg("tile_m") = 128);
+  m.def("decode_gate_twell", &twell::decode_gate_twell,
+        "Gate GEMV relu(x W^T + b) of at most 64 rows in the TwELL layout (see csrc/twell_decode_gate.cu)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("packed"),
+        pybind11::arg("counts"), pybind11::arg("dense"), pybind11::arg("block_nnz"));
   m.def("dense_block_gemm", &twell::dense_block_gemm,
         "Dense-path GEMM over the rows of dense blocks: c = a b^T + bias, or c = relu(gate) * (a b^T + bias) "
         "with the gate in the TwELL format (csrc/twell_gemm.cu)",

@@ -4,9 +4,11 @@
 //   1. turns the per-tile counts into offsets (block scan), so entries have a fixed order and the
 //      result is deterministic;
 //   2. gathers the row's active units into a shared-memory list, chunk by chunk: packed tiles give
-//      (unit, g) straight from their slots (one word each: value bits << 16 | column in tile), tiles whose count overflowed the capacity are enumerated
-//      from the dense backup the gate kernel wrote for them (so no entry is ever lost);
-//   3. gated only: one warp per entry computes up = x . W_up[unit] (+ b_up) and h = g * up;
+//      (unit, g) straight from their slots (one word each: value bits << 16 | column in tile; a thread
+//      per tile), tiles whose count overflowed the capacity are enumerated from the dense backup the
+//      gate kernel wrote for them (a warp per tile; so no entry is ever lost);
+//   3. gated only: each warp computes up = x . W_up[unit] (+ b_up) and h = g * up for two entries at a
+//      time;
 //   4. accumulates out[d] += h * W_down^T[unit, d] in fp32 over the list, then writes out (+ b_down).
 // Rows of a 128-row block that the dense fallback owns (its active count above the threshold, the same
 // integer test the dense-path kernels make, csrc/dense_block_test.cuh) are skipped here.
@@ -118,67 +120,90 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
 
   for (int c0 = 0; c0 < total; c0 += kListCap) {
     const int c1 = min(total, c0 + kListCap);
-    // 2. gather this chunk's entries; a warp per tile.
+    // 2. gather this chunk's entries. Packed tiles: a thread per tile, its slots loaded together, so the
+    // whole row's slots take one round trip to memory (a warp per tile took one per tile and warp).
+    for (int t = threadIdx.x; t < n_tiles; t += kThreads) {
+      const int o0 = offsets[t], o1 = offsets[t + 1];
+      if (o1 - o0 > cap || o1 <= c0 || o0 >= c1) continue;
+      const int64_t slot0 = (row * n_tiles + t) * cap;
+      const int j_end = min(o1, c1) - o0;
+      for (int j0 = max(c0 - o0, 0); j0 < j_end; j0 += 8) {
+        uint32_t words[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (j0 + j < j_end) words[j] = packed[slot0 + j0 + j];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (j0 + j < j_end) {
+            list_unit[o0 + j0 + j - c0] = t * tile_n + static_cast<int>(words[j] & 0xffffu);
+            list_h[o0 + j0 + j - c0] = Dtype16<T>::value(words[j] >> 16);
+          }
+      }
+    }
+    // Tiles past capacity (rare): a warp each enumerates the active units of the dense backup.
     for (int t = warp; t < n_tiles; t += kWarps) {
       const int o0 = offsets[t], o1 = offsets[t + 1];
-      if (o1 <= c0 || o0 >= c1) continue;
-      const int cnt = o1 - o0;
-      if (cnt <= cap) {
-        const int64_t slot0 = (row * n_tiles + t) * cap;
-        const int j_end = min(cnt, c1 - o0);
-        for (int j = max(c0 - o0, 0) + lane; j < j_end; j += 32) {
-          const uint32_t word = packed[slot0 + j];
-          list_unit[o0 + j - c0] = t * tile_n + static_cast<int>(word & 0xffffu);
-          list_h[o0 + j - c0] = Dtype16<T>::value(word >> 16);
+      if (o1 - o0 <= cap || o1 <= c0 || o0 >= c1) continue;
+      const int tile_col0 = t * tile_n;
+      const int width = min(tile_n, F - tile_col0);
+      const T* dense_tile = dense + row * F + tile_col0;
+      int seen = 0;
+      for (int c = 0; c < width; c += 32) {
+        const int col = c + lane;
+        const float v = col < width ? Dtype16<T>::to_float(dense_tile[col]) : 0.f;
+        const bool active = col < width && is_active(v);
+        const unsigned mask = __ballot_sync(0xffffffffu, active);
+        const int e = o0 + seen + __popc(mask & ((1u << lane) - 1u));
+        if (active && e >= c0 && e < c1) {
+          list_unit[e - c0] = tile_col0 + col;
+          list_h[e - c0] = v;
         }
-      } else {
-        const int tile_col0 = t * tile_n;
-        const int width = min(tile_n, F - tile_col0);
-        const T* dense_tile = dense + row * F + tile_col0;
-        int seen = 0;
-        for (int c = 0; c < width; c += 32) {
-          const int col = c + lane;
-          const float v = col < width ? Dtype16<T>::to_float(dense_tile[col]) : 0.f;
-          const bool active = col < width && is_active(v);
-          const unsigned mask = __ballot_sync(0xffffffffu, active);
-          const int e = o0 + seen + __popc(mask & ((1u << lane) - 1u));
-          if (active && e >= c0 && e < c1) {
-            list_unit[e - c0] = tile_col0 + col;
-            list_h[e - c0] = v;
-          }
-          seen += __popc(mask);
-        }
+        seen += __popc(mask);
       }
     }
     __syncthreads();
     const int n = c1 - c0;
 
-    // 3. gated: h = g * (x . W_up[unit] + b_up[unit]); a warp per entry.
+    // 3. gated: h = g * (x . W_up[unit] + b_up[unit]); a warp per two entries, whose loads interleave
+    // (twice the loads in flight per lane; the second is a repeat of the first when there is none).
     if constexpr (GATED) {
-      for (int e = warp; e < n; e += kWarps) {
-        const int unit = list_unit[e];
-        const T* w_row = w_up + static_cast<int64_t>(unit) * K;
-        float s = 0.f;
+      for (int e = warp; e < n; e += 2 * kWarps) {
+        const int e2 = e + kWarps < n ? e + kWarps : e;
+        const T* w_row = w_up + static_cast<int64_t>(list_unit[e]) * K;
+        const T* w_row2 = w_up + static_cast<int64_t>(list_unit[e2]) * K;
+        float s = 0.f, s2 = 0.f;
 #pragma unroll 4
         for (int k = lane * VEC; k < K; k += 32 * VEC) {
-          float xv[VEC], wv[VEC];
+          float xv[VEC], wv[VEC], wv2[VEC];
           load_floats<T, VEC>(x_row + k, xv);
           load_floats<T, VEC>(w_row + k, wv);
+          load_floats<T, VEC>(w_row2 + k, wv2);
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) s = fmaf(xv[v], wv[v], s);
+          for (int v = 0; v < VEC; ++v) {
+            s = fmaf(xv[v], wv[v], s);
+            s2 = fmaf(xv[v], wv2[v], s2);
+          }
         }
         s = warp_sum(s);
+        s2 = warp_sum(s2);
         if (lane == 0) {
-          const float up = s + (b_up != nullptr ? Dtype16<T>::to_float(b_up[unit]) : 0.f);
           // Eager rounds up(x) to the input dtype before the product; do the same.
-          list_h[e] = list_h[e] * Dtype16<T>::to_float(Dtype16<T>::from_float(up));
+          const int unit = list_unit[e], unit2 = list_unit[e2];
+          const float up = s + (b_up != nullptr ? Dtype16<T>::to_float(b_up[unit]) : 0.f);
+          const float up2 = s2 + (b_up != nullptr ? Dtype16<T>::to_float(b_up[unit2]) : 0.f);
+          const float g = list_h[e], g2 = list_h[e2];
+          list_h[e] = g * Dtype16<T>::to_float(Dtype16<T>::from_float(up));
+          if (e2 != e) list_h[e2] = g2 * Dtype16<T>::to_float(Dtype16<T>::from_float(up2));
         }
       }
       __syncthreads();
     }
 
     // 4. out[col] += h * W_down^T[unit, col] over the chunk.
-#pragma unroll 4
+    // One column group per thread (small batches, many column splits): twice the loads in flight, since
+    // there latency rather than L2 throughput bounds the loop.
+    constexpr int kDownUnroll = NV == 1 ? 8 : 4;
+#pragma unroll kDownUnroll
     for (int e = 0; e < n; ++e) {
       const float h = list_h[e];
       const T* d_row = w_down_t + static_cast<int64_t>(list_unit[e]) * D;

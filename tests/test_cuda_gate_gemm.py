@@ -1,4 +1,4 @@
-"""The wgmma gate GEMM's TwELL output against a float64 reference (``pytest -m cuda``).
+"""The gate GEMMs' TwELL output (wgmma GEMM, decode GEMV) against a float64 reference (``pytest -m cuda``).
 
 Checks the format itself, not just the MLP built on it: every (row, tile) count is the true number of
 active units, packed slots hold exactly the active (column, value) pairs, overflowing tiles hold the
@@ -16,6 +16,7 @@ from twell_compile.testing import make_problem
 
 pytestmark = pytest.mark.cuda
 TILE = 128
+CAP = 8
 
 
 # (cluster, tile_m, ctas): ping-pong in single CTAs and in pairs on the whole GPU; the cooperative
@@ -24,7 +25,7 @@ TILE = 128
 SCHEDULES = {"single": (1, 128, None), "pairs": (2, 128, None), "coop": (1, 256, 2), "coop-pairs": (2, 256, 2)}
 
 
-def _run_gate(x, w, bias, cap=8, cluster=2, tile_m=128, ctas=None):
+def _run_gate(x, w, bias, cap=CAP, cluster=2, tile_m=128, ctas=None, decode=False):
     from twell_compile.kernels import build
 
     m, f = x.shape[0], w.shape[0]
@@ -35,7 +36,10 @@ def _run_gate(x, w, bias, cap=8, cluster=2, tile_m=128, ctas=None):
     block_nnz = torch.zeros(2 * -(-m // 128), dtype=torch.int32, device=x.device)
     if ctas is None:
         ctas = torch.cuda.get_device_properties(x.device).multi_processor_count
-    build.cuda_extension().gate_twell_gemm(x, w, bias, packed, counts, dense, block_nnz, ctas, cluster, tile_m)
+    if decode:
+        build.cuda_extension().decode_gate_twell(x, w, bias, packed, counts, dense, block_nnz)
+    else:
+        build.cuda_extension().gate_twell_gemm(x, w, bias, packed, counts, dense, block_nnz, ctas, cluster, tile_m)
     return packed, counts, dense, block_nnz
 
 
@@ -55,10 +59,30 @@ def _run_gate(x, w, bias, cap=8, cluster=2, tile_m=128, ctas=None):
 def test_gate_gemm_writes_exact_twell(m, k, f, nnz, skew, dtype, bias, schedule):
     problem = make_problem(m, k, f, nnz_per_row=nnz, skew=skew, dtype=dtype, bias=bias)
     x, w, b = problem.x, problem.gate_weight, problem.gate_bias
-    cap = 8
-    packed, counts, dense, block_nnz = _run_gate(x, w, b, cap, *SCHEDULES[schedule])
-    torch.cuda.synchronize()
+    _assert_exact_twell(x, w, b, *_run_gate(x, w, b, CAP, *SCHEDULES[schedule]))
 
+
+@requires_twell_kernels
+@pytest.mark.parametrize("m,k,f,nnz,skew", [
+    (1, 2048, 5632, 24.0, False),    # decode at the 2B shape: one row, clusters of 8 CTAs
+    (7, 264, 1000, 20.0, False),     # K of 264: 9 chunks of 32 over a cluster of 8 (2 per CTA; 3 CTAs
+                                     # idle, one with a partial chunk)
+    (16, 2048, 5632, 600.0, False),  # almost every tile past capacity
+    (33, 8, 130, 20.0, False),       # one K chunk (a cluster of 1), three MMA row tiles, a 2-column tile
+    (50, 2048, 5632, 40.0, True),    # skewed: heavy rows and units
+    (64, 1000, 70000, 200.0, True),  # four MMA row tiles; units past 16-bit indices
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_decode_gate_writes_exact_twell(m, k, f, nnz, skew, dtype, bias):
+    problem = make_problem(m, k, f, nnz_per_row=nnz, skew=skew, dtype=dtype, bias=bias)
+    x, w, b = problem.x, problem.gate_weight, problem.gate_bias
+    _assert_exact_twell(x, w, b, *_run_gate(x, w, b, CAP, decode=True))
+
+
+def _assert_exact_twell(x, w, b, packed, counts, dense, block_nnz, cap=CAP):
+    torch.cuda.synchronize()
+    m, f, dtype = x.shape[0], w.shape[0], x.dtype
     tiles = -(-f // TILE)
     pre64 = x.double() @ w.double().t() + (b.double() if b is not None else 0.0)
     ref_bits = pre64.to(dtype)  # what eager's linear rounds to
@@ -119,3 +143,11 @@ def test_gate_gemm_rejects_bad_schedule(schedule, message):
     w = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=message):
         _run_gate(x, w, None, **schedule)
+
+
+@requires_twell_kernels
+def test_decode_gate_rejects_more_than_64_rows():
+    x = torch.randn(65, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="at most 64 rows"):
+        _run_gate(x, w, None, decode=True)

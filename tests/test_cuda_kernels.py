@@ -73,7 +73,7 @@ SHAPES = [
 
 
 @requires_twell_kernels
-@pytest.mark.parametrize("m", [1, 7, 255, 256, 4097])
+@pytest.mark.parametrize("m", [1, 7, 64, 255, 256, 4097])  # up to 64: the decode gate
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
@@ -98,13 +98,14 @@ ADVERSARIAL = {
 @pytest.mark.parametrize("case", sorted(ADVERSARIAL))
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_adversarial_sparsity(case, gated, path):
+@pytest.mark.parametrize("m", [40, 1000])  # 40: the decode gate (three 16-row MMA tiles)
+def test_adversarial_sparsity(case, gated, path, m):
     kwargs = dict(ADVERSARIAL[case])
-    k, f, d, m = 2048, 5632, 2048, 1000
+    k, f, d = 2048, 5632, 2048
     if kwargs["nnz_per_row"] < 1:
         kwargs["nnz_per_row"] *= f
     problem = make_problem(m, k, f, d, gated=gated, bias=True, **kwargs)
-    _check(*_run(problem, gated, path), f"{case} gated={gated} path={path}")
+    _check(*_run(problem, gated, path), f"{case} gated={gated} path={path} m={m}")
 
 
 @requires_twell_kernels

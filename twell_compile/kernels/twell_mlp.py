@@ -2,8 +2,9 @@
 
 Per call, all on PyTorch's current stream, allocations through its caching allocator, no host sync:
   1. the gate GEMM (``csrc/twell_gemm.cu``: TMA + wgmma, warp-specialised, on 128 x 128 tiles, in CTA
-     pairs sharing x tiles where there are enough tiles; the Triton ``gate_twell_kernel`` for rows TMA
-     cannot load, or with the wgmma GEMM switched off): relu(x W^T + b) packed per (row, N-tile),
+     pairs sharing x tiles where there are enough tiles; at most 64 rows, the split-K GEMV of
+     ``csrc/twell_decode_gate.cu``; the Triton ``gate_twell_kernel`` for rows TMA cannot load, or with
+     the wgmma GEMM switched off): relu(x W^T + b) packed per (row, N-tile),
      overflowing tiles to a dense backup, active counts summed per 128-row block;
   2. a block is dense when its active fraction exceeds ``config.dense_block_density`` or it has many
      overflowing row-tiles (each kernel makes the same integer test, ``csrc/dense_block_test.cuh``);
@@ -56,6 +57,10 @@ class KernelConfig:
     """The dense-path down GEMM's schedule (as gemm_tile_m). Its K is the intermediate size, so its
     mainloop is long beside its epilogue and the cooperative tiles pay (H200, 2B shape: 4.0-4.1 against
     4.4-4.5 ms)."""
+    decode_gate_rows: int = int(os.environ.get("TWELL_DECODE_GATE_ROWS", "64"))
+    """Calls of at most this many rows (64 at most) run the gate as a split-K GEMV over clusters of CTAs
+    (csrc/twell_decode_gate.cu) instead of the wgmma GEMM, which gives each 128-wide column tile to one
+    CTA and so leaves most SMs idle at decode; 0 switches it off."""
     tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
     """Let the Triton kernels load through TMA descriptors where rows allow (off: pointer loads)."""
     poison_buffers: bool = False
@@ -102,7 +107,7 @@ def _num_sms(device: torch.device) -> int:
 def _column_splits(m: int, d: int, device: torch.device, vec8: bool) -> int:
     """Output-column splits of the sparse kernel: enough CTAs to fill the GPU at small M, and at most
     4 column groups per thread of a CTA."""
-    per_cta_max = 4 * _SPARSE_THREADS * (8 if vec8 else 1)
+    per_cta_max = 4 * _sparse_threads(m) * (8 if vec8 else 1)
     splits = -(-d // per_cta_max)
     want = -(-2 * _num_sms(device) // m)
     return max(splits, min(want, max(d // 128, 1)))
@@ -112,7 +117,16 @@ def _vec8_ok(*tensors: Tensor) -> bool:
     return all(t.shape[-1] % 8 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
 
 
-_SPARSE_THREADS = int(os.environ.get("TWELL_SPARSE_THREADS", "128"))  # measured: 18% faster than 256 on H200
+# Threads per CTA of the sparse kernel. Large batches: 128 (H200, M = 131072 at 24 nnz: 3.3 against 5.8 ms
+# for 256). Decode-sized ones, where a CTA's latency is the time: 256, more warps for the up projections
+# (CUDA-graph replays at M = 1, 16, 64: 12-20 against 14-23 us).
+_SPARSE_THREADS = int(os.environ.get("TWELL_SPARSE_THREADS", "128"))
+_SPARSE_THREADS_DECODE = int(os.environ.get("TWELL_SPARSE_THREADS_DECODE", "256"))
+_DECODE_ROWS = 64
+
+
+def _sparse_threads(m: int) -> int:
+    return _SPARSE_THREADS_DECODE if m <= _DECODE_ROWS else _SPARSE_THREADS
 
 
 def _tma_ok(*tensors: Tensor) -> bool:
@@ -257,7 +271,9 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     ext = build.cuda_extension()
     sms = _num_sms(x.device)
     cuda_gate = wgmma_ok and (plan.block_m, plan.tile_n) == (128, 128)
-    if cuda_gate:
+    if cuda_gate and m <= min(config.decode_gate_rows, _DECODE_ROWS):
+        ext.decode_gate_twell(x2, act_weight, act_bias, packed, counts, dense, block_nnz)
+    elif cuda_gate:
         ext.gate_twell_gemm(x2, act_weight, act_bias, packed, counts, dense, block_nnz, sms, config.gemm_cluster,
                             config.gemm_tile_m)
     else:
@@ -270,7 +286,7 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     splits = _column_splits(m, d, x.device, vec8)
     ext.sparse_mlp_out(
         x2 if gated else None, packed, counts, dense, block_nnz, up_weight, up_bias, w_down_t, down_bias,
-        out, plan.tile_n, splits, _SPARSE_THREADS, thr_full, thr_last, thr_heavy,
+        out, plan.tile_n, splits, _sparse_threads(m), thr_full, thr_last, thr_heavy,
     )
 
     # Dense path for the blocks too dense to pay (its kernels skip the others), by the wgmma GEMMs when
