@@ -82,6 +82,16 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// Reads the float at the same shared-memory offset in CTA `cta` of the cluster (distributed shared memory).
+__device__ __forceinline__ float ld_shared_cluster_f32(const void* local, uint32_t cta) {
+  float v;
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %1, %2;\n"
+      "ld.shared::cluster.f32 %0, [remote];\n}"
+      : "=f"(v) : "r"(smem_addr(local)), "r"(cta) : "memory");
+  return v;
+}
+
 // Reads 4 floats at the same shared-memory offset in CTA `cta` of the cluster (distributed shared memory).
 __device__ __forceinline__ float4 ld_shared_cluster_v4(const void* local, uint32_t cta) {
   float4 v;

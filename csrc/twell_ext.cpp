@@ -9,7 +9,7 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
                     const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up,
                     const at::Tensor& w_down_t, const c10::optional<at::Tensor>& b_down, at::Tensor& out,
                     int64_t tile_n, int64_t splits, int64_t threads, int64_t thr_full, int64_t thr_last,
-                    int64_t thr_heavy);
+                    int64_t thr_heavy, int64_t cluster);
 void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                      at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz, int64_t ctas,
                      int64_t cluster, int64_t tile_m);
@@ -30,7 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("dense"), pybind11::arg("block_nnz"), pybind11::arg("w_up"), pybind11::arg("b_up"),
         pybind11::arg("w_down_t"), pybind11::arg("b_down"), pybind11::arg("out"), pybind11::arg("tile_n"),
         pybind11::arg("splits"), pybind11::arg("threads"), pybind11::arg("thr_full"),
-        pybind11::arg("thr_last"), pybind11::arg("thr_heavy"));
+        pybind11::arg("thr_last"), pybind11::arg("thr_heavy"), pybind11::arg("cluster") = 1);
   m.def("gate_twell_gemm", &twell::gate_twell_gemm,
         "Gate GEMM relu(x W^T + b) written in the TwELL layout (see csrc/twell_gemm.cu)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("packed"),

@@ -24,11 +24,13 @@
 
 #include "dense_block_test.cuh"
 #include "dtype16.cuh"
+#include "hopper_ptx.cuh"
 
 namespace twell {
 namespace {
 
 constexpr int kListCap = 1024;  // active units gathered per chunk
+constexpr int kMaxEntryCluster = 8;  // CTAs sharing a row's entries (the portable cluster size)
 
 // VEC consecutive elements loaded as one access (16 bytes for VEC == 8).
 template <typename T, int VEC>
@@ -82,7 +84,12 @@ __device__ int scan_tile_counts(const int* __restrict__ counts, int n_tiles, int
   return carry;
 }
 
-template <typename T, int VEC, int NV, bool GATED, int kThreads>
+// kEntrySplit (decode-sized batches): a cluster of `cluster` CTAs per row instead of one CTA per row and
+// column split. Each CTA of the cluster gathers the whole list but takes only its share of the entries,
+// over all output columns; the partial outputs meet in shared memory and each CTA adds up its share of
+// the columns over distributed shared memory, in rank order. A CTA's sequential work (its latency, which
+// bounds small batches) is then a fraction of the row's entries rather than all of them.
+template <typename T, int VEC, int NV, bool GATED, int kThreads, bool kEntrySplit>
 __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
     const T* __restrict__ x,            // [M, K] (gated only)
     const uint32_t* __restrict__ packed,  // [M, n_tiles, cap]: value bits << 16 | column in tile
@@ -93,9 +100,12 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
     const T* __restrict__ w_down_t,     // [F, D]
     const T* __restrict__ b_down,       // [D] or null
     T* __restrict__ out,                // [M, D]
-    int K, int D, int F, int n_tiles, int cap, int tile_n, int cols_per_split, DenseBlockTest dense_test) {
-  const int64_t row = blockIdx.x;
-  // Rows of dense blocks belong to the dense path (the same test as its kernels).
+    int K, int D, int F, int n_tiles, int cap, int tile_n, int cols_per_split, DenseBlockTest dense_test,
+    int cluster) {
+  const int64_t row = kEntrySplit ? blockIdx.x / cluster : blockIdx.x;
+  const int rank = kEntrySplit ? static_cast<int>(ptx::cluster_ctarank()) : 0;
+  // Rows of dense blocks belong to the dense path (the same test as its kernels). The CTAs of a
+  // cluster share the row, so they leave together.
   if (dense_test(static_cast<int>(row / kDecisionRows))) return;
   constexpr int kWarps = kThreads / 32;
 
@@ -104,6 +114,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
   int* warp_totals = offsets + n_tiles + 1;              // kWarps
   int* list_unit = warp_totals + kWarps;                 // kListCap
   float* list_h = reinterpret_cast<float*>(list_unit + kListCap);  // kListCap
+  float* partial_out = list_h + kListCap;                          // D (kEntrySplit)
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int total = scan_tile_counts<kThreads>(counts + row * n_tiles, n_tiles, offsets, warp_totals);
@@ -163,12 +174,14 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
     }
     __syncthreads();
     const int n = c1 - c0;
+    const int lo = kEntrySplit ? n * rank / cluster : 0;  // this CTA's entries of the chunk
+    const int hi = kEntrySplit ? n * (rank + 1) / cluster : n;
 
     // 3. gated: h = g * (x . W_up[unit] + b_up[unit]); a warp per two entries, whose loads interleave
     // (twice the loads in flight per lane; the second is a repeat of the first when there is none).
     if constexpr (GATED) {
-      for (int e = warp; e < n; e += 2 * kWarps) {
-        const int e2 = e + kWarps < n ? e + kWarps : e;
+      for (int e = lo + warp; e < hi; e += 2 * kWarps) {
+        const int e2 = e + kWarps < hi ? e + kWarps : e;
         const T* w_row = w_up + static_cast<int64_t>(list_unit[e]) * K;
         const T* w_row2 = w_up + static_cast<int64_t>(list_unit[e2]) * K;
         float s = 0.f, s2 = 0.f;
@@ -204,7 +217,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
     // there latency rather than L2 throughput bounds the loop.
     constexpr int kDownUnroll = NV == 1 ? 8 : 4;
 #pragma unroll kDownUnroll
-    for (int e = 0; e < n; ++e) {
+    for (int e = lo; e < hi; ++e) {
       const float h = list_h[e];
       const T* d_row = w_down_t + static_cast<int64_t>(list_unit[e]) * D;
 #pragma unroll
@@ -221,15 +234,41 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
     __syncthreads();  // the next chunk overwrites the list
   }
 
+  if constexpr (kEntrySplit) {
 #pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    const int col = col0 + (j * kThreads + threadIdx.x) * VEC;
-    if (col < col1) {
-      Pack<T, VEC> pk;
+    for (int j = 0; j < NV; ++j) {
+      const int col = (j * kThreads + threadIdx.x) * VEC;
+      if (col < D) {
 #pragma unroll
-      for (int v = 0; v < VEC; ++v)
-        pk.v[v] = Dtype16<T>::from_float(acc[j][v] + (b_down != nullptr ? Dtype16<T>::to_float(b_down[col + v]) : 0.f));
-      *reinterpret_cast<Pack<T, VEC>*>(out + row * D + col) = pk;
+        for (int v = 0; v < VEC; ++v) partial_out[col + v] = acc[j][v];
+      }
+    }
+    ptx::cluster_sync();  // every CTA's partial is written and visible to the cluster
+    const int per_cta = (D + cluster - 1) / cluster;
+    const int end = min(D, (rank + 1) * per_cta);
+    for (int col = rank * per_cta + threadIdx.x; col < end; col += kThreads) {
+      float parts[kMaxEntryCluster];  // all loads first, then the sum in rank order (the same on every run)
+#pragma unroll
+      for (int cta = 0; cta < kMaxEntryCluster; ++cta)
+        if (cta < cluster) parts[cta] = ptx::ld_shared_cluster_f32(&partial_out[col], static_cast<uint32_t>(cta));
+      float sum = 0.f;
+#pragma unroll
+      for (int cta = 0; cta < kMaxEntryCluster; ++cta)
+        if (cta < cluster) sum += parts[cta];
+      out[row * D + col] = Dtype16<T>::from_float(sum + (b_down != nullptr ? Dtype16<T>::to_float(b_down[col]) : 0.f));
+    }
+    ptx::cluster_sync();  // no CTA leaves while another may still read its partial
+  } else {
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int col = col0 + (j * kThreads + threadIdx.x) * VEC;
+      if (col < col1) {
+        Pack<T, VEC> pk;
+#pragma unroll
+        for (int v = 0; v < VEC; ++v)
+          pk.v[v] = Dtype16<T>::from_float(acc[j][v] + (b_down != nullptr ? Dtype16<T>::to_float(b_down[col + v]) : 0.f));
+        *reinterpret_cast<Pack<T, VEC>*>(out + row * D + col) = pk;
+      }
     }
   }
 }
@@ -241,11 +280,11 @@ const T* ptr_or_null(const c10::optional<at::Tensor>& t) {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-template <typename T, int VEC, int NV, bool GATED, int kThreads>
+template <typename T, int VEC, int NV, bool GATED, int kThreads, bool kEntrySplit>
 void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& counts,
             const at::Tensor& dense, const DenseBlockTest& dense_test, const c10::optional<at::Tensor>& w_up,
             const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_t,
-            const c10::optional<at::Tensor>& b_down, at::Tensor& out, int tile_n, int splits) {
+            const c10::optional<at::Tensor>& b_down, at::Tensor& out, int tile_n, int splits, int cluster) {
   const int64_t M = out.size(0);
   const int D = static_cast<int>(out.size(1));
   const int F = static_cast<int>(w_down_t.size(0));
@@ -254,38 +293,64 @@ void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& cou
   const int cap = static_cast<int>(packed.size(2));
   int cols_per_split = (D + splits - 1) / splits;
   cols_per_split = (cols_per_split + VEC - 1) / VEC * VEC;
-  const size_t smem = sizeof(int) * (n_tiles + 1 + kThreads / 32 + kListCap) + sizeof(float) * kListCap;
-  auto kernel = sparse_mlp_kernel<T, VEC, NV, GATED, kThreads>;
+  const size_t smem = sizeof(int) * (n_tiles + 1 + kThreads / 32 + kListCap) + sizeof(float) * kListCap +
+                      (kEntrySplit ? sizeof(float) * D : 0);
+  auto kernel = sparse_mlp_kernel<T, VEC, NV, GATED, kThreads, kEntrySplit>;
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
-  const dim3 grid(static_cast<unsigned>(M), static_cast<unsigned>(splits));
-  kernel<<<grid, kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
-      GATED ? reinterpret_cast<const T*>(x.data_ptr()) : nullptr,
-      reinterpret_cast<const uint32_t*>(packed.data_ptr<int>()), counts.data_ptr<int>(), reinterpret_cast<const T*>(dense.data_ptr()),
-      GATED ? ptr_or_null<T>(w_up) : nullptr, ptr_or_null<T>(b_up),
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = kEntrySplit ? cluster : 1;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = kEntrySplit ? dim3(static_cast<unsigned>(M * cluster))
+                               : dim3(static_cast<unsigned>(M), static_cast<unsigned>(splits));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = c10::cuda::getCurrentCUDAStream();
+  config.attrs = attribute;
+  config.numAttrs = kEntrySplit ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(
+      &config, kernel, GATED ? reinterpret_cast<const T*>(x.data_ptr()) : nullptr,
+      reinterpret_cast<const uint32_t*>(packed.data_ptr<int>()), static_cast<const int*>(counts.data_ptr<int>()),
+      reinterpret_cast<const T*>(dense.data_ptr()), GATED ? ptr_or_null<T>(w_up) : nullptr, ptr_or_null<T>(b_up),
       reinterpret_cast<const T*>(w_down_t.data_ptr()), ptr_or_null<T>(b_down), reinterpret_cast<T*>(out.data_ptr()),
-      K, D, F, n_tiles, cap, tile_n, cols_per_split, dense_test);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+      K, D, F, n_tiles, cap, tile_n, kEntrySplit ? D : cols_per_split, dense_test, kEntrySplit ? cluster : 1));
 }
 
 // Picks the vector width (16-byte accesses when every row is 16-byte aligned) and the number of
-// column groups per thread from the columns one CTA covers.
+// column groups per thread from the columns one CTA covers; the entry split (cluster > 1, 256 threads
+// only) where one CTA can hold all the columns, else column splits.
 template <typename T, bool GATED, int kThreads>
 void dispatch_shape(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& counts,
                     const at::Tensor& dense, const DenseBlockTest& dense_test, const c10::optional<at::Tensor>& w_up,
                     const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_t,
-                    const c10::optional<at::Tensor>& b_down, at::Tensor& out, int tile_n, int splits) {
+                    const c10::optional<at::Tensor>& b_down, at::Tensor& out, int tile_n, int splits, int cluster) {
   const int64_t D = out.size(1);
   bool vec8 = D % 8 == 0 && aligned16(w_down_t.data_ptr()) && aligned16(out.data_ptr());
   if (GATED) vec8 = vec8 && x.size(1) % 8 == 0 && aligned16(x.data_ptr()) && aligned16(w_up->data_ptr());
-  const int64_t cols = (D + splits - 1) / splits;
   const int vec = vec8 ? 8 : 1;
-  const int64_t groups = (cols + static_cast<int64_t>(kThreads) * vec - 1) / (static_cast<int64_t>(kThreads) * vec);
-  TORCH_CHECK(groups <= 4, "twell: internal error, too many output columns per CTA (", cols, "); raise splits");
-#define TWELL_LAUNCH(V, NVV)                                                                                 \
-  launch<T, V, NVV, GATED, kThreads>(x, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, out, tile_n, \
-                                     splits)
+  const auto groups_for = [&](int64_t cols) {
+    return (cols + static_cast<int64_t>(kThreads) * vec - 1) / (static_cast<int64_t>(kThreads) * vec);
+  };
+  const bool entry_split = kThreads == 256 && cluster > 1 && groups_for(D) <= 4;
+  const int64_t cols = entry_split ? D : (D + splits - 1) / splits;
+  const int64_t groups = groups_for(cols);
+  TORCH_CHECK(groups <= 4, "twell: internal error, too many output columns per CTA; raise splits");
+#define TWELL_LAUNCH(V, NVV)                                                                                        \
+  do {                                                                                                              \
+    if constexpr (kThreads == 256) {                                                                                \
+      if (entry_split) {                                                                                            \
+        launch<T, V, NVV, GATED, kThreads, true>(x, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, \
+                                                 out, tile_n, 1, cluster);                                           \
+        break;                                                                                                      \
+      }                                                                                                             \
+    }                                                                                                               \
+    launch<T, V, NVV, GATED, kThreads, false>(x, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down,   \
+                                              out, tile_n, splits, 1);                                               \
+  } while (0)
   if (vec8) {
     if (groups <= 1) TWELL_LAUNCH(8, 1);
     else if (groups <= 2) TWELL_LAUNCH(8, 2);
@@ -305,8 +370,9 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
                     const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up,
                     const at::Tensor& w_down_t, const c10::optional<at::Tensor>& b_down, at::Tensor& out,
                     int64_t tile_n, int64_t splits, int64_t threads, int64_t thr_full, int64_t thr_last,
-                    int64_t thr_heavy) {
+                    int64_t thr_heavy, int64_t cluster) {
   const bool gated = w_up.has_value();
+  TORCH_CHECK(cluster >= 1 && cluster <= kMaxEntryCluster, "twell: cluster must be in [1, 8]");
   TORCH_CHECK(threads == 128 || threads == 256, "twell: threads must be 128 or 256");
   TORCH_CHECK(!gated || x.has_value(), "twell: the gated kernel needs x");
   TORCH_CHECK(packed.is_cuda() && packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.dim() == 3,
@@ -328,10 +394,10 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
 #define TWELL_THREADS(T, G, XX, N)                                                                     \
   if (threads == 128)                                                                                \
     dispatch_shape<T, G, 128>(XX, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, out, \
-                              static_cast<int>(tile_n), static_cast<int>(splits));                     \
+                              static_cast<int>(tile_n), static_cast<int>(splits), static_cast<int>(cluster)); \
   else                                                                                               \
     dispatch_shape<T, G, 256>(XX, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, out, \
-                              static_cast<int>(tile_n), static_cast<int>(splits));
+                              static_cast<int>(tile_n), static_cast<int>(splits), static_cast<int>(cluster));
 #define TWELL_DTYPE(T)                    \
   if (gated) {                            \
     TWELL_THREADS(T, true, *x, 0)         \

@@ -17,7 +17,7 @@ for m, (k, f, d), gated, density in [(7, (257, 1031, 131), True, float("inf")), 
     # The last case: 256-row tiles in all three GEMMs, a last tile whose second half lies past the end,
     # and a tile of one dense and one sparse block on the dense path.
     twell_mlp.config.gemm_tile_m = twell_mlp.config.down_gemm_tile_m = 256 if m == 4126 else 128
-    twell_mlp.config.dense_block_density = density
+    twell_mlp.config.dense_block_density = twell_mlp.config.decode_dense_block_density = density
     twell_mlp.config.heavy_block_overflow_tiles = 2**31 - 1 if density == float("inf") else 16
     p = make_problem(m, k, f, d, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0,))
     out = torch.ops.twell.gated_relu_mlp(*p.gated_args()) if gated else torch.ops.twell.relu_mlp(*p.non_gated_args())

@@ -41,6 +41,14 @@ class KernelConfig:
     heavy_block_overflow_tiles: int = 16
     """A 128-row block with more (row, tile) pairs past capacity than this also runs the dense path: on
     the sparse path a row with hundreds of active units is one CTA's sequential work (a straggler)."""
+    decode_dense_block_density: float = float(os.environ.get("TWELL_DECODE_DENSE_BLOCK_DENSITY", "0.05"))
+    """dense_block_density for calls of at most 64 rows whose sparse kernel splits each row's units over
+    a cluster of CTAs, while the dense path's GEMMs run on few SMs. On an H200 at the 2B shape the
+    forced paths crossed at about 20%, 11% and 6% density for M = 1, 16 and 64 with every row alike
+    (graph replays; M = 64 at 320 units per row: 75 against 78 us). Rows far heavier than the rest are
+    still stragglers (a fifth to an eighth of a 2000-unit row is one CTA's work), so the past-capacity
+    rule (heavy_block_overflow_tiles) applies here too: with it off, M = 64 skewed ran at 0.13-0.19x
+    dense, against about 0.5x for the dense path."""
     wgmma_kernels: bool = os.environ.get("TWELL_WGMMA", "1") != "0"
     """Use the hand-written wgmma GEMMs (gate and dense path, csrc/twell_gemm.cu) where the shapes allow;
     off, the Triton kernels run everything (for comparison)."""
@@ -123,6 +131,18 @@ def _vec8_ok(*tensors: Tensor) -> bool:
 _SPARSE_THREADS = int(os.environ.get("TWELL_SPARSE_THREADS", "128"))
 _SPARSE_THREADS_DECODE = int(os.environ.get("TWELL_SPARSE_THREADS_DECODE", "256"))
 _DECODE_ROWS = 64
+# Decode-sized batches: the CTAs of a cluster share each row's active units (csrc/twell_sparse_mlp.cu),
+# so a heavy row is not one CTA's sequential work. At most 8 per row, and about two CTAs per SM in all
+# (H200 graph replays of the sparse kernel at 24 nnz: M = 1 and 16, 9.6-10.2 us with 8 against 17-18
+# us with column splits; M = 64, 12.6 us with 4 against 18.4 with 8). TWELL_SPARSE_CLUSTER_DECODE=1
+# switches it off (column splits only).
+_SPARSE_CLUSTER_DECODE = int(os.environ.get("TWELL_SPARSE_CLUSTER_DECODE", "8"))
+
+
+def _sparse_cluster(m: int, sms: int) -> int:
+    if m > _DECODE_ROWS:
+        return 1
+    return max(1, min(_SPARSE_CLUSTER_DECODE, 2 * sms // m))
 
 
 def _sparse_threads(m: int) -> int:
@@ -135,28 +155,28 @@ def _tma_ok(*tensors: Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
 
-def _dense_thresholds(m: int, f: int) -> tuple[int, int]:
+def _dense_thresholds(m: int, f: int, entry_split: bool) -> tuple[int, int, int]:
     """Largest active count a full 128-row block, and the last (maybe partial) block, may have and
-    still take the sparse path. Plain integers from shapes and the setting: no device data involved."""
+    still take the sparse path, and the most row-tiles past capacity a block may have. Plain integers
+    from shapes and the settings: no device data involved. ``entry_split``: the sparse kernel splits
+    each row's units over a cluster (decode-sized calls), which moves the crossover."""
+    density = config.decode_dense_block_density if entry_split else config.dense_block_density
+
     def threshold(rows: int) -> int:
-        limit = rows * f * config.dense_block_density
+        limit = rows * f * density
         return 2**31 - 1 if limit >= 2**31 - 1 else int(limit)
 
     last_rows = m - DECISION_ROWS * ((m - 1) // DECISION_ROWS)
-    return threshold(DECISION_ROWS), threshold(last_rows)
+    return threshold(DECISION_ROWS), threshold(last_rows), min(config.heavy_block_overflow_tiles, 2**31 - 1)
 
 
-def _heavy_threshold() -> int:
-    return min(config.heavy_block_overflow_tiles, 2**31 - 1)
-
-
-def block_dense(block_stats: Tensor, m: int, f: int) -> Tensor:
+def block_dense(block_stats: Tensor, thresholds: tuple[int, int, int]) -> Tensor:
     """Which blocks took the dense path (for statistics; the kernels make the same test themselves)."""
     nnz, overflow_tiles = block_stats.view(2, -1)
-    thr_full, thr_last = _dense_thresholds(m, f)
-    thresholds = torch.full_like(nnz, thr_full)
-    thresholds[-1] = thr_last
-    return (nnz > thresholds) | (overflow_tiles > _heavy_threshold())
+    thr_full, thr_last, thr_heavy = thresholds
+    limits = torch.full_like(nnz, thr_full)
+    limits[-1] = thr_last
+    return (nnz > limits) | (overflow_tiles > thr_heavy)
 
 
 # Poison for tests (config.poison_buffers): values that turn any read of an element a kernel should
@@ -278,15 +298,17 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
                             config.gemm_tile_m)
     else:
         _triton_gate(plan, x2, act_weight, act_bias, packed, counts, dense, block_nnz, n_tiles)
-    thr_full, thr_last = _dense_thresholds(m, f)
-    thr_heavy = _heavy_threshold()
 
     w_down_t = DOWN_WEIGHT_T.transposed(down_weight)
     vec8 = _vec8_ok(w_down_t, out, *((x2, up_weight) if gated else ()))
     splits = _column_splits(m, d, x.device, vec8)
+    threads, cluster = _sparse_threads(m), _sparse_cluster(m, sms)
+    # The condition under which csrc/twell_sparse_mlp.cu splits rows' units over the cluster.
+    entry_split = threads == 256 and cluster > 1 and d <= 4 * threads * (8 if vec8 else 1)
+    thr_full, thr_last, thr_heavy = _dense_thresholds(m, f, entry_split)
     ext.sparse_mlp_out(
         x2 if gated else None, packed, counts, dense, block_nnz, up_weight, up_bias, w_down_t, down_bias,
-        out, plan.tile_n, splits, _sparse_threads(m), thr_full, thr_last, thr_heavy,
+        out, plan.tile_n, splits, threads, thr_full, thr_last, thr_heavy, cluster,
     )
 
     # Dense path for the blocks too dense to pay (its kernels skip the others), by the wgmma GEMMs when
@@ -310,5 +332,5 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     recorder = stats.active_recorder()
     if recorder is not None:
         recorder.add("gated_relu_mlp" if gated else "relu_mlp", counts.sum(1), f,
-                     overflow_rows=(counts > plan.cap).any(1), block_dense=block_dense(block_nnz, m, f))
+                     overflow_rows=(counts > plan.cap).any(1), block_dense=block_dense(block_nnz, thresholds))
     return out.view(*x.shape[:-1], d)

@@ -1,0 +1,45 @@
+"""The host-side choices of the CUDA path (CPU-only checks): which path a 128-row block takes, and how
+the sparse kernel is launched at decode. The kernels make the same integer test on the device, so these
+numbers are what decides where every output row is computed."""
+
+from __future__ import annotations
+
+import torch
+
+from twell_compile.kernels import twell_mlp
+
+INT_MAX = 2**31 - 1
+
+
+def test_dense_thresholds_large_and_decode_calls():
+    f = 5632
+    # 1000 rows: 7 full blocks and a last block of 104 rows, at 1.5% of their units.
+    assert twell_mlp._dense_thresholds(1000, f, entry_split=False) == (int(128 * f * 0.015), int(104 * f * 0.015), 16)
+    # Decode with the clustered sparse kernel: 5% of the (single, partial) block; heavy rows still count.
+    assert twell_mlp._dense_thresholds(40, f, entry_split=True) == (int(128 * f * 0.05), int(40 * f * 0.05), 16)
+
+
+def test_forced_paths_reach_the_thresholds(monkeypatch):
+    config = twell_mlp.config
+    for name in ("dense_block_density", "decode_dense_block_density"):
+        monkeypatch.setattr(config, name, float("inf"))
+    monkeypatch.setattr(config, "heavy_block_overflow_tiles", INT_MAX)
+    for entry_split in (False, True):
+        assert twell_mlp._dense_thresholds(7, 100, entry_split) == (INT_MAX, INT_MAX, INT_MAX)
+    for name in ("dense_block_density", "decode_dense_block_density"):
+        monkeypatch.setattr(config, name, 0.0)
+    for entry_split in (False, True):
+        assert twell_mlp._dense_thresholds(7, 100, entry_split)[:2] == (0, 0)
+
+
+def test_block_dense_matches_the_device_test():
+    # Two full blocks and a partial one: active units, then row-tiles past capacity.
+    stats = torch.tensor([100, 101, 50, 0, 17, 0], dtype=torch.int32)
+    dense = twell_mlp.block_dense(stats, (100, 40, 16))
+    assert dense.tolist() == [False, True, True]
+
+
+def test_sparse_kernel_clusters_at_decode():
+    sms = 132
+    assert [twell_mlp._sparse_cluster(m, sms) for m in (1, 16, 33, 40, 64, 65, 4096)] == [8, 8, 8, 6, 4, 1, 1]
+    assert twell_mlp._sparse_threads(64) == 256 and twell_mlp._sparse_threads(65) == 128
