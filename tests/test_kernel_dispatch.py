@@ -43,3 +43,12 @@ def test_sparse_kernel_clusters_at_decode():
     sms = 132
     assert [twell_mlp._sparse_cluster(m, sms) for m in (1, 16, 33, 40, 64, 65, 4096)] == [8, 8, 8, 6, 4, 1, 1]
     assert twell_mlp._sparse_threads(64) == 256 and twell_mlp._sparse_threads(65) == 128
+
+
+def test_sparse_kernel_column_splits():
+    # Small batches: enough CTAs for 132 SMs, at most one 128-column group per split; large: one CTA per row.
+    assert twell_mlp._column_splits(1, 2048, 132, vec8=True) == 16
+    assert twell_mlp._column_splits(100, 2048, 132, vec8=True) == 3
+    assert twell_mlp._column_splits(131072, 2048, 132, vec8=True) == 1
+    # Scalar columns: 128 threads cover at most 512 columns per CTA.
+    assert twell_mlp._column_splits(131072, 2050, 132, vec8=False) == 5

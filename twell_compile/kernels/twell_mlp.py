@@ -112,12 +112,12 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _column_splits(m: int, d: int, device: torch.device, vec8: bool) -> int:
-    """Output-column splits of the sparse kernel: enough CTAs to fill the GPU at small M, and at most
-    4 column groups per thread of a CTA."""
+def _column_splits(m: int, d: int, sms: int, vec8: bool) -> int:
+    """Output-column splits of the sparse kernel: enough CTAs to fill the GPU's ``sms`` SMs at small M,
+    and at most 4 column groups per thread of a CTA."""
     per_cta_max = 4 * _sparse_threads(m) * (8 if vec8 else 1)
     splits = -(-d // per_cta_max)
-    want = -(-2 * _num_sms(device) // m)
+    want = -(-2 * sms // m)
     return max(splits, min(want, max(d // 128, 1)))
 
 
@@ -301,7 +301,7 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
 
     w_down_t = DOWN_WEIGHT_T.transposed(down_weight)
     vec8 = _vec8_ok(w_down_t, out, *((x2, up_weight) if gated else ()))
-    splits = _column_splits(m, d, x.device, vec8)
+    splits = _column_splits(m, d, sms, vec8)
     threads, cluster = _sparse_threads(m), _sparse_cluster(m, sms)
     # The condition under which csrc/twell_sparse_mlp.cu splits rows' units over the cluster.
     entry_split = threads == 256 and cluster > 1 and d <= 4 * threads * (8 if vec8 else 1)
