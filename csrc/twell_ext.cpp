@@ -14,7 +14,12 @@ void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::option
                      at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz, int64_t ctas,
                      int64_t cluster, int64_t tile_m);
 void decode_gate_twell(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                       at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz);
+                       at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz,
+                       int64_t cluster);
+void decode_dense_gemv(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
+                       const at::Tensor& block_nnz, const c10::optional<at::Tensor>& gate_packed,
+                       const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
+                       int64_t thr_heavy, int64_t cluster);
 void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
                       const at::Tensor& block_nnz, const c10::optional<at::Tensor>& gate_packed,
                       const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
@@ -37,9 +42,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("counts"), pybind11::arg("dense"), pybind11::arg("block_nnz"), pybind11::arg("ctas"),
         pybind11::arg("cluster") = 2, pybind11::arg("tile_m") = 128);
   m.def("decode_gate_twell", &twell::decode_gate_twell,
-        "Gate GEMV relu(x W^T + b) of at most 64 rows in the TwELL layout (see csrc/twell_decode_gate.cu)",
+        "Gate GEMV relu(x W^T + b) of at most 64 rows in the TwELL layout (see csrc/twell_decode_gemv.cu)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("packed"),
-        pybind11::arg("counts"), pybind11::arg("dense"), pybind11::arg("block_nnz"));
+        pybind11::arg("counts"), pybind11::arg("dense"), pybind11::arg("block_nnz"), pybind11::arg("cluster") = 0);
+  m.def("decode_dense_gemv", &twell::decode_dense_gemv,
+        "Dense-path GEMV of at most 64 rows, run only if their block is dense: c = a b^T + bias, or "
+        "c = relu(gate) * (a b^T + bias) with the gate in the TwELL format (csrc/twell_decode_gemv.cu)",
+        pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("bias"), pybind11::arg("c"), pybind11::arg("block_nnz"),
+        pybind11::arg("gate_packed"), pybind11::arg("gate_counts"), pybind11::arg("thr_full"), pybind11::arg("thr_last"),
+        pybind11::arg("thr_heavy"), pybind11::arg("cluster") = 0);
   m.def("dense_block_gemm", &twell::dense_block_gemm,
         "Dense-path GEMM over the rows of dense blocks: c = a b^T + bias, or c = relu(gate) * (a b^T + bias) "
         "with the gate in the TwELL format (csrc/twell_gemm.cu)",

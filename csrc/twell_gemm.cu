@@ -55,6 +55,7 @@
 
 #include <cstdint>
 
+#include "cluster_launch.cuh"
 #include "dense_block_test.cuh"
 #include "dtype16.cuh"
 #include "hopper_ptx.cuh"
@@ -295,12 +296,10 @@ __device__ __forceinline__ void load_gate(int64_t row, int tile, int cols_left, 
 #pragma unroll
     for (int q = 0; q < 16; ++q) g[q] = 0u;
     for (int s0 = 0; s0 < count; s0 += 8) {  // 8 slots at a time, loaded together
-      uint32_t words[8];
+      uint32_t words[8];  // those past the count are never read (the loop below stops there)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const uint32_t word = s0 == 0 && args.slots_vec8 ? head.first[i] : (s0 + i < count ? slots[s0 + i] : 0u);
-        words[i] = s0 + i < count ? word : 0xffffffffu;  // past the count: no column
-      }
+      for (int i = 0; i < 8; ++i)
+        words[i] = s0 == 0 && args.slots_vec8 ? head.first[i] : (s0 + i < count ? slots[s0 + i] : 0u);
       // Only the live words (most row-tiles hold 0 to 2 at the sparsities TwELL is for): the unrolled
       // scatter below costs about 50 instructions a word.
 #pragma unroll
@@ -644,53 +643,24 @@ int64_t cluster_units(int64_t n_tiles_m, int64_t n_tiles_n, int64_t cluster) {
   return n_tiles_m * ((n_tiles_n + cluster - 1) / cluster);
 }
 
-// How many clusters of the kernel can be resident at once on the current device: a persistent
-// grid larger than that would leave clusters waiting for others to finish. Asked once per device (a
-// host query, kept off the hot path).
-template <typename Kernel>
-int resident_clusters(Kernel kernel, cudaLaunchConfig_t config) {
-  static int per_device[64] = {};  // 0: not asked yet
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  int& resident = per_device[device % 64];
-  if (resident == 0) {
-    int clusters = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
-    TORCH_CHECK(clusters > 0, "twell: no cluster of the wgmma GEMM fits on this GPU");
-    resident = clusters;
-  }
-  return resident;
-}
-
 template <typename T, Epilogue kMode, int kCluster, int kTileM>
 void launch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, int ctas) {
   auto kernel = twell_gemm_kernel<T, kMode, kCluster, kTileM>;
-  // Per call, not cached: the attribute belongs to the current device's context.
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const CUtensorMap a_map = operand_map(a, kTileM / kCluster), b_map = operand_map(b, kBlockN);
   const int n_tiles_m = static_cast<int>((a.size(0) + kTileM - 1) / kTileM);
   const int64_t units = cluster_units(n_tiles_m, args.n_tiles_n, kCluster);
   constexpr int kGroupM = 8;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = kCluster;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSmemBytes;
-  config.stream = c10::cuda::getCurrentCUDAStream();
-  config.attrs = attribute;
-  config.numAttrs = 1;
   int clusters = std::max(ctas / kCluster, 1);
+  KernelLaunch kernel_launch(kernel, dim3(static_cast<unsigned>(clusters * kCluster)), kThreads, kSmemBytes, kCluster);
   if constexpr (kCluster > 1) {
-    config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
-    clusters = std::min(clusters, resident_clusters(kernel, config));
+    // A persistent grid larger than what can be resident would leave clusters waiting for others.
+    const int resident = kernel_launch.resident_clusters();
+    TORCH_CHECK(resident > 0, "twell: no cluster of the wgmma GEMM fits on this GPU");
+    clusters = std::min(clusters, resident);
   }
   clusters = static_cast<int>(std::min<int64_t>(clusters, units));
-  config.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, a_map, b_map, args, static_cast<int>(a.size(1)), n_tiles_m,
-                                    args.n_tiles_n, kGroupM));
+  kernel_launch.set_grid_x(static_cast<unsigned>(clusters * kCluster));
+  kernel_launch.run(kernel, a_map, b_map, args, static_cast<int>(a.size(1)), n_tiles_m, args.n_tiles_n, kGroupM);
 }
 
 template <Epilogue kMode, int kCluster, int kTileM>

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 
+#include "cluster_launch.cuh"
 #include "dense_block_test.cuh"
 #include "dtype16.cuh"
 #include "hopper_ptx.cuh"
@@ -296,33 +297,21 @@ void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& cou
   const size_t smem = sizeof(int) * (n_tiles + 1 + kThreads / 32 + kListCap) + sizeof(float) * kListCap +
                       (kEntrySplit ? sizeof(float) * D : 0);
   auto kernel = sparse_mlp_kernel<T, VEC, NV, GATED, kThreads, kEntrySplit>;
-  if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  }
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = kEntrySplit ? cluster : 1;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = kEntrySplit ? dim3(static_cast<unsigned>(M * cluster))
-                               : dim3(static_cast<unsigned>(M), static_cast<unsigned>(splits));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = c10::cuda::getCurrentCUDAStream();
-  config.attrs = attribute;
-  config.numAttrs = kEntrySplit ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(
-      &config, kernel, GATED ? reinterpret_cast<const T*>(x.data_ptr()) : nullptr,
+  const dim3 grid = kEntrySplit ? dim3(static_cast<unsigned>(M * cluster))
+                                : dim3(static_cast<unsigned>(M), static_cast<unsigned>(splits));
+  const KernelLaunch kernel_launch(kernel, grid, kThreads, smem, kEntrySplit ? cluster : 1);
+  kernel_launch.run(
+      kernel, GATED ? reinterpret_cast<const T*>(x.data_ptr()) : nullptr,
       reinterpret_cast<const uint32_t*>(packed.data_ptr<int>()), static_cast<const int*>(counts.data_ptr<int>()),
       reinterpret_cast<const T*>(dense.data_ptr()), GATED ? ptr_or_null<T>(w_up) : nullptr, ptr_or_null<T>(b_up),
       reinterpret_cast<const T*>(w_down_t.data_ptr()), ptr_or_null<T>(b_down), reinterpret_cast<T*>(out.data_ptr()),
-      K, D, F, n_tiles, cap, tile_n, kEntrySplit ? D : cols_per_split, dense_test, kEntrySplit ? cluster : 1));
+      K, D, F, n_tiles, cap, tile_n, kEntrySplit ? D : cols_per_split, dense_test, kEntrySplit ? cluster : 1);
 }
 
 // Picks the vector width (16-byte accesses when every row is 16-byte aligned) and the number of
-// column groups per thread from the columns one CTA covers; the entry split (cluster > 1, 256 threads
-// only) where one CTA can hold all the columns, else column splits.
+// column groups per thread from the columns one CTA covers. cluster > 1 asks for the entry split, which
+// the caller (twell_mlp.py, which also sets the dense-path thresholds for it) chooses only where it
+// fits: 256 threads, one CTA holding all the columns, no column splits; anything else is an error.
 template <typename T, bool GATED, int kThreads>
 void dispatch_shape(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& counts,
                     const at::Tensor& dense, const DenseBlockTest& dense_test, const c10::optional<at::Tensor>& w_up,
@@ -335,7 +324,10 @@ void dispatch_shape(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   const auto groups_for = [&](int64_t cols) {
     return (cols + static_cast<int64_t>(kThreads) * vec - 1) / (static_cast<int64_t>(kThreads) * vec);
   };
-  const bool entry_split = kThreads == 256 && cluster > 1 && groups_for(D) <= 4;
+  const bool entry_split = cluster > 1;
+  TORCH_CHECK(!entry_split || (kThreads == 256 && groups_for(D) <= 4 && splits == 1),
+              "twell: the entry split (cluster > 1) needs 256 threads, no column splits, and at most ",
+              4 * kThreads * vec, " output columns at this alignment; got ", D);
   const int64_t cols = entry_split ? D : (D + splits - 1) / splits;
   const int64_t groups = groups_for(cols);
   TORCH_CHECK(groups <= 4, "twell: internal error, too many output columns per CTA; raise splits");

@@ -11,6 +11,8 @@ for m, (k, f, d), gated, density in [(7, (257, 1031, 131), True, float("inf")), 
                                      (64, (2048, 5632, 2048), True, float("inf")),  # decode gate: 4 MMA row tiles
                                      (40, (264, 1000, 200), True, 0.0),  # decode gate, then the dense path
                                      (1, (2048, 5632, 2048), False, float("inf")),  # decode, non-gated
+                                     (64, (2048, 5632, 2048), True, 0.0),  # decode GEMVs of the dense path
+                                     (7, (2048, 5632, 2048), False, 0.0),  # likewise, non-gated
                                      (520, (2048, 5632, 2048), True, 0.004),  # several tiles per CTA, mixed paths
                                      (1950, (200, 2600, 1400), True, 0.01),  # CTA pairs in all three GEMMs, odd tile counts
                                      (4126, (200, 2600, 1400), True, 0.01)]:  # cooperative 256-row tiles everywhere (below)

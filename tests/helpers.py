@@ -25,6 +25,26 @@ requires_twell_kernels = pytest.mark.skipif(not _twell_kernels_ready(),
                                             reason="needs a Hopper GPU with the TwELL kernels built")
 
 
+def twell_to_dense(packed, counts, backup, tile: int = 128):
+    """relu(activation) [M, F] in float64, rebuilt from the TwELL format the gate kernels write: the
+    packed slots (value bits << 16 | column in tile) of row-tiles within capacity, the backup row of
+    pre-activations (relu applied here) of those past it."""
+    m, tiles, cap = packed.shape
+    f = backup.shape[1]
+    gate = torch.zeros(m, tiles, tile, dtype=torch.float64, device=packed.device)
+    fits = counts <= cap
+    live = (torch.arange(cap, device=packed.device) < counts[..., None]) & fits[..., None]
+    words = packed.long() & 0xFFFFFFFF
+    cols = words & 0xFFFF
+    values = ((words >> 16) & 0xFFFF).to(torch.int16).view(backup.dtype).double()
+    r, t, s = live.nonzero(as_tuple=True)
+    gate[r, t, cols[r, t, s]] = values[r, t, s]
+    full = torch.zeros(m, tiles * tile, dtype=torch.float64, device=packed.device)
+    full[:, :f] = backup.double()
+    gate = torch.where(fits[..., None], gate, full.view(m, tiles, tile).relu())
+    return gate.view(m, -1)[:, :f]
+
+
 # ---------------------------------------------------------------------------------------------------
 # eager math of the two blocks, spelled with F.linear exactly as nn.Linear runs it
 # ---------------------------------------------------------------------------------------------------

@@ -52,3 +52,17 @@ def test_sparse_kernel_column_splits():
     assert twell_mlp._column_splits(131072, 2048, 132, vec8=True) == 1
     # Scalar columns: 128 threads cover at most 512 columns per CTA.
     assert twell_mlp._column_splits(131072, 2050, 132, vec8=False) == 5
+
+
+def test_sparse_launch_takes_the_entry_split_only_where_it_fits():
+    SparseLaunch, launch = twell_mlp.SparseLaunch, twell_mlp.sparse_launch
+    # Decode-sized calls: clusters share each row's units, one CTA holding every output column.
+    assert launch(1, 2048, 132, vec8=True) == SparseLaunch(threads=256, splits=1, cluster=8)
+    assert launch(64, 2048, 132, vec8=True) == SparseLaunch(threads=256, splits=1, cluster=4)
+    assert launch(1, 8192, 132, vec8=True).entry_split  # 4 groups of 8 columns per thread
+    # Too many columns for one CTA (8 per access, or 1 without 16-byte rows): column splits instead.
+    assert launch(1, 8200, 132, vec8=True) == SparseLaunch(256, twell_mlp._column_splits(1, 8200, 132, True), 1)
+    assert launch(1, 2048, 132, vec8=False) == SparseLaunch(256, 16, 1)
+    # Past 64 rows: 128 threads, column splits, never a cluster.
+    assert launch(65, 2048, 132, vec8=True) == SparseLaunch(128, twell_mlp._column_splits(65, 2048, 132, True), 1)
+    assert not launch(131072, 2048, 132, vec8=True).entry_split

@@ -3,14 +3,15 @@
 Per call, all on PyTorch's current stream, allocations through its caching allocator, no host sync:
   1. the gate GEMM (``csrc/twell_gemm.cu``: TMA + wgmma, warp-specialised, on 128 x 128 tiles, in CTA
      pairs sharing x tiles where there are enough tiles; at most 64 rows, the split-K GEMV of
-     ``csrc/twell_decode_gate.cu``; the Triton ``gate_twell_kernel`` for rows TMA cannot load, or with
+     ``csrc/twell_decode_gemv.cu``; the Triton ``gate_twell_kernel`` for rows TMA cannot load, or with
      the wgmma GEMM switched off): relu(x W^T + b) packed per (row, N-tile),
      overflowing tiles to a dense backup, active counts summed per 128-row block;
   2. a block is dense when its active fraction exceeds ``config.dense_block_density`` or it has many
      overflowing row-tiles (each kernel makes the same integer test, ``csrc/dense_block_test.cuh``);
   3. ``sparse_mlp_out`` (``csrc/twell_sparse_mlp.cu``): sparse blocks' rows of the output;
-  4. dense blocks' rows by dense GEMMs (the wgmma GEMM of ``csrc/twell_gemm.cu``; Triton kernels where
-     the Triton gate ran or an operand is not TMA-able): h = relu(gate) * up in place in the backup
+  4. dense blocks' rows by dense GEMMs (the wgmma GEMM of ``csrc/twell_gemm.cu``; at most 64 rows, the
+     split-K GEMVs of ``csrc/twell_decode_gemv.cu``; Triton kernels where the Triton gate ran or an
+     operand is not TMA-able): h = relu(gate) * up in place in the backup
      buffer, the gate read from its TwELL output (non-gated: relu(up) expanded there by
      ``csrc/twell_gate_rebuild.cu``), then out = h W_down^T.
 Steps 3 and 4 skip the blocks the other owns, so every output row is written exactly once.
@@ -42,13 +43,13 @@ class KernelConfig:
     """A 128-row block with more (row, tile) pairs past capacity than this also runs the dense path: on
     the sparse path a row with hundreds of active units is one CTA's sequential work (a straggler)."""
     decode_dense_block_density: float = float(os.environ.get("TWELL_DECODE_DENSE_BLOCK_DENSITY", "0.05"))
-    """dense_block_density for calls of at most 64 rows whose sparse kernel splits each row's units over
-    a cluster of CTAs, while the dense path's GEMMs run on few SMs. On an H200 at the 2B shape the
-    forced paths crossed at about 20%, 11% and 6% density for M = 1, 16 and 64 with every row alike
-    (graph replays; M = 64 at 320 units per row: 75 against 78 us). Rows far heavier than the rest are
+    """dense_block_density for calls of at most 64 rows, whose sparse kernel splits each row's units over
+    a cluster of CTAs and whose dense path runs as split-K GEMVs (decode_dense_gemv). On an H200 at the
+    2B shape the forced paths crossed near 10%, 5% and 4.5% density for M = 1, 16 and 64 with every row
+    alike (graph replays; dense path 43-45, 47-56 and 68-70 us). Rows far heavier than the rest are
     still stragglers (a fifth to an eighth of a 2000-unit row is one CTA's work), so the past-capacity
     rule (heavy_block_overflow_tiles) applies here too: with it off, M = 64 skewed ran at 0.13-0.19x
-    dense, against about 0.5x for the dense path."""
+    dense, against 0.54x on the dense path."""
     wgmma_kernels: bool = os.environ.get("TWELL_WGMMA", "1") != "0"
     """Use the hand-written wgmma GEMMs (gate and dense path, csrc/twell_gemm.cu) where the shapes allow;
     off, the Triton kernels run everything (for comparison)."""
@@ -67,8 +68,15 @@ class KernelConfig:
     4.4-4.5 ms)."""
     decode_gate_rows: int = int(os.environ.get("TWELL_DECODE_GATE_ROWS", "64"))
     """Calls of at most this many rows (64 at most) run the gate as a split-K GEMV over clusters of CTAs
-    (csrc/twell_decode_gate.cu) instead of the wgmma GEMM, which gives each 128-wide column tile to one
+    (csrc/twell_decode_gemv.cu) instead of the wgmma GEMM, which gives each 128-wide column tile to one
     CTA and so leaves most SMs idle at decode; 0 switches it off."""
+    decode_dense_gemv: bool = os.environ.get("TWELL_DECODE_DENSE_GEMV", "1") != "0"
+    """Calls of at most 64 rows run the dense path's GEMMs as split-K GEMVs over clusters of CTAs
+    (csrc/twell_decode_gemv.cu), as the decode gate does; off, the wgmma GEMMs, which put the 2B down
+    projection's 16 column tiles on 16 SMs."""
+    decode_gemv_cluster: int = int(os.environ.get("TWELL_DECODE_GEMV_CLUSTER", "0"))
+    """CTAs per cluster of the decode GEMVs, which split each column tile along K: 0 chooses (8, or 16
+    where 8 would leave SMs idle and the GPU schedules 16); 1 to 16 forces a size (for measurements)."""
     tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
     """Let the Triton kernels load through TMA descriptors where rows allow (off: pointer loads)."""
     poison_buffers: bool = False
@@ -147,6 +155,27 @@ def _sparse_cluster(m: int, sms: int) -> int:
 
 def _sparse_threads(m: int) -> int:
     return _SPARSE_THREADS_DECODE if m <= _DECODE_ROWS else _SPARSE_THREADS
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseLaunch:
+    threads: int
+    splits: int  # output-column splits (1 with the entry split)
+    cluster: int  # > 1: the entry split, each row's units shared by a cluster of this many CTAs
+
+    @property
+    def entry_split(self) -> bool:
+        return self.cluster > 1
+
+
+def sparse_launch(m: int, d: int, sms: int, vec8: bool) -> SparseLaunch:
+    """How ``sparse_mlp_out`` runs: decided here alone (the kernel rejects an entry split that does
+    not fit), since the dense-path thresholds depend on it. The entry split needs 256 threads and one
+    CTA holding all ``d`` output columns (4 groups of 8, or of 1 without 16-byte rows, per thread)."""
+    threads, cluster = _sparse_threads(m), _sparse_cluster(m, sms)
+    if threads == 256 and cluster > 1 and d <= 4 * threads * (8 if vec8 else 1):
+        return SparseLaunch(threads, 1, cluster)
+    return SparseLaunch(threads, _column_splits(m, d, sms, vec8), 1)
 
 
 def _tma_ok(*tensors: Tensor) -> bool:
@@ -292,7 +321,8 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     sms = _num_sms(x.device)
     cuda_gate = wgmma_ok and (plan.block_m, plan.tile_n) == (128, 128)
     if cuda_gate and m <= min(config.decode_gate_rows, _DECODE_ROWS):
-        ext.decode_gate_twell(x2, act_weight, act_bias, packed, counts, dense, block_nnz)
+        ext.decode_gate_twell(x2, act_weight, act_bias, packed, counts, dense, block_nnz,
+                              config.decode_gemv_cluster)
     elif cuda_gate:
         ext.gate_twell_gemm(x2, act_weight, act_bias, packed, counts, dense, block_nnz, sms, config.gemm_cluster,
                             config.gemm_tile_m)
@@ -301,23 +331,28 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
 
     w_down_t = DOWN_WEIGHT_T.transposed(down_weight)
     vec8 = _vec8_ok(w_down_t, out, *((x2, up_weight) if gated else ()))
-    splits = _column_splits(m, d, sms, vec8)
-    threads, cluster = _sparse_threads(m), _sparse_cluster(m, sms)
-    # The condition under which csrc/twell_sparse_mlp.cu splits rows' units over the cluster.
-    entry_split = threads == 256 and cluster > 1 and d <= 4 * threads * (8 if vec8 else 1)
-    thr_full, thr_last, thr_heavy = _dense_thresholds(m, f, entry_split)
+    launch = sparse_launch(m, d, sms, vec8)
+    thresholds = _dense_thresholds(m, f, launch.entry_split)
     ext.sparse_mlp_out(
         x2 if gated else None, packed, counts, dense, block_nnz, up_weight, up_bias, w_down_t, down_bias,
-        out, plan.tile_n, splits, threads, thr_full, thr_last, thr_heavy, cluster,
+        out, plan.tile_n, launch.splits, launch.threads, *thresholds, launch.cluster,
     )
 
-    # Dense path for the blocks too dense to pay (its kernels skip the others), by the wgmma GEMMs when
-    # the gate was (128-wide tiles) and every operand is TMA-able, else by the Triton kernels. Gated:
+    # Dense path for the blocks too dense to pay (its kernels skip the others): where the gate ran as a
+    # CUDA kernel (128-wide tiles) and every operand has 16-byte aligned rows, by the decode GEMVs for
+    # calls of at most 64 rows, else by the wgmma GEMMs; otherwise by the Triton kernels. Gated:
     # h = relu(gate) * up in place in `dense`, the gate read from its TwELL output; non-gated: relu(up)
     # expanded into `dense` from the TwELL output. Then out = h W_down^T.
-    thresholds = (thr_full, thr_last, thr_heavy)
     operands = (x2, down_weight, dense, out, *((up_weight,) if gated else ()))
-    if cuda_gate and _tma_ok(*operands):
+    if cuda_gate and _tma_ok(*operands) and m <= _DECODE_ROWS and config.decode_dense_gemv:
+        if gated:
+            ext.decode_dense_gemv(x2, up_weight, up_bias, dense, block_nnz, packed, counts, *thresholds,
+                                  config.decode_gemv_cluster)
+        else:
+            ext.rebuild_dense_gate(packed, counts, dense, block_nnz, *thresholds)
+        ext.decode_dense_gemv(dense, down_weight, down_bias, out, block_nnz, None, None, *thresholds,
+                              config.decode_gemv_cluster)
+    elif cuda_gate and _tma_ok(*operands):
         if gated:
             ext.dense_block_gemm(x2, up_weight, up_bias, dense, block_nnz, packed, counts, *thresholds, sms,
                                  config.gemm_cluster, config.gemm_tile_m)

@@ -1,0 +1,100 @@
+// Host side of launching a kernel, in thread-block clusters or not, on PyTorch's current stream: one
+// place for the launch attributes that the wgmma GEMM, the decode GEMVs and the sparse kernel share.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <utility>
+
+namespace twell {
+
+constexpr int kPortableClusterMax = 8;   // what every sm_90 part schedules
+constexpr int kNonPortableClusterMax = 16;  // H100 / H200, with the kernel's opt-in
+
+// One launch of `grid` CTAs of `threads` threads, in clusters of `cluster` CTAs along x (1: plain CTAs,
+// no cluster attribute). Not copyable: the configuration points at the object's own attribute.
+class KernelLaunch {
+ public:
+  template <typename... Params>
+  KernelLaunch(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, int cluster)
+      : kernel_(reinterpret_cast<const void*>(kernel)) {
+    TORCH_CHECK(cluster >= 1 && cluster <= kNonPortableClusterMax, "twell: cluster size ", cluster, " out of range");
+    TORCH_CHECK(grid.x % static_cast<unsigned>(cluster) == 0, "twell: grid not a whole number of clusters");
+    // Set per launch, not cached: function attributes belong to the current device's context.
+    if (smem > 48 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    }
+    if (cluster > kPortableClusterMax) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    }
+    attribute_.id = cudaLaunchAttributeClusterDimension;
+    attribute_.val.clusterDim.x = static_cast<unsigned>(cluster);
+    attribute_.val.clusterDim.y = 1;
+    attribute_.val.clusterDim.z = 1;
+    config_.gridDim = grid;
+    config_.blockDim = dim3(static_cast<unsigned>(threads));
+    config_.dynamicSmemBytes = smem;
+    config_.stream = c10::cuda::getCurrentCUDAStream();
+    config_.attrs = &attribute_;
+    config_.numAttrs = cluster > 1 ? 1 : 0;
+  }
+  KernelLaunch(const KernelLaunch&) = delete;
+  KernelLaunch& operator=(const KernelLaunch&) = delete;
+
+  void set_grid_x(unsigned x) { config_.gridDim.x = x; }
+
+  // How many of this launch's clusters can be resident at once on the current device (0: none fits).
+  // A host query, made once per device and kernel and launch shape, kept off the hot path.
+  int resident_clusters() const {
+    int device = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    const Key key{device, kernel_, config_.blockDim.x, config_.dynamicSmemBytes,
+                  config_.numAttrs ? attribute_.val.clusterDim.x : 1u};
+    static std::mutex mutex;
+    static std::map<Key, int> known;
+    {
+      const std::lock_guard<std::mutex> lock(mutex);
+      const auto it = known.find(key);
+      if (it != known.end()) return it->second;
+    }
+    int clusters = 0;
+    const cudaError_t status = cudaOccupancyMaxActiveClusters(&clusters, kernel_, &config_);
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();  // an unschedulable shape reports an error here; it means none fits
+      clusters = 0;
+    }
+    const std::lock_guard<std::mutex> lock(mutex);
+    known[key] = clusters;
+    return clusters;
+  }
+
+  template <typename... Params, typename... Args>
+  void run(void (*kernel)(Params...), Args&&... args) const {
+    TORCH_CHECK(reinterpret_cast<const void*>(kernel) == kernel_, "twell: internal error, launch of another kernel");
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config_, kernel, std::forward<Args>(args)...));
+  }
+
+ private:
+  struct Key {
+    int device;
+    const void* kernel;
+    unsigned threads;
+    size_t smem;
+    unsigned cluster;
+    bool operator<(const Key& o) const {
+      return std::tie(device, kernel, threads, smem, cluster) < std::tie(o.device, o.kernel, o.threads, o.smem, o.cluster);
+    }
+  };
+  const void* kernel_;
+  cudaLaunchAttribute attribute_{};
+  cudaLaunchConfig_t config_{};
+};
+
+}  // namespace twell
