@@ -299,29 +299,30 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvA
 // column tile would leave SMs idle (the 2B down projection: 16 tiles, 128 CTAs on 132 SMs; H200, M = 1:
 // 14 against 22 us). `requested` (1 to 16) overrides the choice, for measurements; either way at most
 // one CTA per K chunk.
-template <typename Kernel>
-int cluster_size(Kernel kernel, const DecodeGemvArgs& args, int n_chunks, size_t smem, int requested) {
+bool wants_wide_cluster(const DecodeGemvArgs& args, int n_chunks, int requested) {
+  if (requested > 0) return requested > kPortableClusterMax;
   int device = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const bool want_wide = requested > 0 ? requested > kPortableClusterMax
-                                       : args.n_tiles * kPortableClusterMax < sms && n_chunks >= kNonPortableClusterMax;
-  if (want_wide) {
-    const int wide = std::min(requested > 0 ? requested : kNonPortableClusterMax, n_chunks);
-    const KernelLaunch probe(kernel, dim3(static_cast<unsigned>(args.n_tiles * wide)), kThreads, smem, wide);
-    if (probe.resident_clusters() > 0) return wide;
-  }
-  return std::min({kPortableClusterMax, n_chunks, requested > 0 ? requested : kPortableClusterMax});
+  return args.n_tiles * kPortableClusterMax < sms && n_chunks >= kNonPortableClusterMax;
 }
 
 template <typename T, Epilogue kMode, int kMTiles, int kUnroll>
-void launch(DecodeGemvArgs args, int n_chunks, int requested_cluster) {
+void launch(DecodeGemvArgs args, int n_chunks, int requested) {
   auto kernel = decode_gemv_kernel<T, kMode, kMTiles, kUnroll>;
   const size_t smem = kMTiles * 16 * kPartialStride * sizeof(float);
-  const int cluster = cluster_size(kernel, args, n_chunks, smem, requested_cluster);
-  args.chunks_per_cta = (n_chunks + cluster - 1) / cluster;
-  const KernelLaunch kernel_launch(kernel, dim3(static_cast<unsigned>(args.n_tiles * cluster)), kThreads, smem, cluster);
-  kernel_launch.run(kernel, args, cluster);
+  const auto grid = [&](int cluster) { return dim3(static_cast<unsigned>(args.n_tiles * cluster)); };
+  const auto run = [&](const KernelLaunch& kernel_launch, int cluster) {
+    args.chunks_per_cta = (n_chunks + cluster - 1) / cluster;
+    kernel_launch.run(kernel, args, cluster);
+  };
+  if (wants_wide_cluster(args, n_chunks, requested)) {
+    const int wide = std::min(requested > 0 ? requested : kNonPortableClusterMax, n_chunks);
+    const KernelLaunch wide_launch(kernel, grid(wide), kThreads, smem, wide);
+    if (wide_launch.resident_clusters() > 0) return run(wide_launch, wide);
+  }
+  const int cluster = std::min({kPortableClusterMax, n_chunks, requested > 0 ? requested : kPortableClusterMax});
+  run(KernelLaunch(kernel, grid(cluster), kThreads, smem, cluster), cluster);
 }
 
 template <typename T, Epilogue kMode>

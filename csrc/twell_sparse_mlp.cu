@@ -31,7 +31,7 @@ namespace twell {
 namespace {
 
 constexpr int kListCap = 1024;  // active units gathered per chunk
-constexpr int kMaxEntryCluster = 8;  // CTAs sharing a row's entries (the portable cluster size)
+constexpr int kMaxEntryCluster = kPortableClusterMax;  // CTAs sharing a row's entries
 
 // VEC consecutive elements loaded as one access (16 bytes for VEC == 8).
 template <typename T, int VEC>

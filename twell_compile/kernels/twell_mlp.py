@@ -344,22 +344,22 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     # h = relu(gate) * up in place in `dense`, the gate read from its TwELL output; non-gated: relu(up)
     # expanded into `dense` from the TwELL output. Then out = h W_down^T.
     operands = (x2, down_weight, dense, out, *((up_weight,) if gated else ()))
-    if cuda_gate and _tma_ok(*operands) and m <= _DECODE_ROWS and config.decode_dense_gemv:
-        if gated:
+    if cuda_gate and _tma_ok(*operands):
+        decode = m <= _DECODE_ROWS and config.decode_dense_gemv
+        if gated and decode:
             ext.decode_dense_gemv(x2, up_weight, up_bias, dense, block_nnz, packed, counts, *thresholds,
                                   config.decode_gemv_cluster)
-        else:
-            ext.rebuild_dense_gate(packed, counts, dense, block_nnz, *thresholds)
-        ext.decode_dense_gemv(dense, down_weight, down_bias, out, block_nnz, None, None, *thresholds,
-                              config.decode_gemv_cluster)
-    elif cuda_gate and _tma_ok(*operands):
-        if gated:
+        elif gated:
             ext.dense_block_gemm(x2, up_weight, up_bias, dense, block_nnz, packed, counts, *thresholds, sms,
                                  config.gemm_cluster, config.gemm_tile_m)
         else:
             ext.rebuild_dense_gate(packed, counts, dense, block_nnz, *thresholds)
-        ext.dense_block_gemm(dense, down_weight, down_bias, out, block_nnz, None, None, *thresholds, sms,
-                             config.gemm_cluster, config.down_gemm_tile_m)
+        if decode:
+            ext.decode_dense_gemv(dense, down_weight, down_bias, out, block_nnz, None, None, *thresholds,
+                                  config.decode_gemv_cluster)
+        else:
+            ext.dense_block_gemm(dense, down_weight, down_bias, out, block_nnz, None, None, *thresholds, sms,
+                                 config.gemm_cluster, config.down_gemm_tile_m)
     else:
         _triton_dense_path(plan, gated, x2, up_weight, up_bias, down_weight, down_bias, packed, counts, dense,
                            block_nnz, out, thresholds)
