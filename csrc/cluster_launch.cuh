@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <map>
 #include <mutex>
+#include <set>
 #include <tuple>
 #include <utility>
 
@@ -27,12 +28,11 @@ class KernelLaunch {
       : kernel_(reinterpret_cast<const void*>(kernel)) {
     TORCH_CHECK(cluster >= 1 && cluster <= kNonPortableClusterMax, "twell: cluster size ", cluster, " out of range");
     TORCH_CHECK(grid.x % static_cast<unsigned>(cluster) == 0, "twell: grid not a whole number of clusters");
-    // Set per launch, not cached: function attributes belong to the current device's context.
     if (smem > 48 * 1024) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      set_attribute_once(kernel_, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     }
     if (cluster > kPortableClusterMax) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+      set_attribute_once(kernel_, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     }
     attribute_.id = cudaLaunchAttributeClusterDimension;
     attribute_.val.clusterDim.x = static_cast<unsigned>(cluster);
@@ -73,6 +73,20 @@ class KernelLaunch {
     const std::lock_guard<std::mutex> lock(mutex);
     known[key] = clusters;
     return clusters;
+  }
+
+  // Function attributes belong to the current device's context: set once per device, kernel and value
+  // (a host call each launch is time a decode-sized call cannot spare).
+  static void set_attribute_once(const void* kernel, cudaFuncAttribute attribute, int value) {
+    int device = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    const std::tuple<int, const void*, int, int> key{device, kernel, static_cast<int>(attribute), value};
+    static std::mutex mutex;
+    static std::set<std::tuple<int, const void*, int, int>> done;
+    const std::lock_guard<std::mutex> lock(mutex);
+    if (done.count(key)) return;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, attribute, value));
+    done.insert(key);
   }
 
   template <typename... Params, typename... Args>

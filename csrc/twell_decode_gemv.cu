@@ -35,6 +35,7 @@
 #include "dense_block_test.cuh"
 #include "dtype16.cuh"
 #include "hopper_ptx.cuh"
+#include "twell_entries.h"
 
 namespace twell {
 namespace {

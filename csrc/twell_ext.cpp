@@ -4,29 +4,9 @@
 
 #include <torch/extension.h>
 
-namespace twell {
-void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed, const at::Tensor& counts, const at::Tensor& dense, const at::Tensor& block_nnz,
-                    const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up,
-                    const at::Tensor& w_down_t, const c10::optional<at::Tensor>& b_down, at::Tensor& out,
-                    int64_t tile_n, int64_t splits, int64_t threads, int64_t thr_full, int64_t thr_last,
-                    int64_t thr_heavy, int64_t cluster);
-void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                     at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz, int64_t ctas,
-                     int64_t cluster, int64_t tile_m);
-void decode_gate_twell(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                       at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz,
-                       int64_t cluster);
-void decode_dense_gemv(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
-                       const at::Tensor& block_nnz, const c10::optional<at::Tensor>& gate_packed,
-                       const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
-                       int64_t thr_heavy, int64_t cluster);
-void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
-                      const at::Tensor& block_nnz, const c10::optional<at::Tensor>& gate_packed,
-                      const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
-                      int64_t thr_heavy, int64_t ctas, int64_t cluster, int64_t tile_m);
-void rebuild_dense_gate(const at::Tensor& packed, const at::Tensor& counts, at::Tensor& dense,
-                        const at::Tensor& block_nnz, int64_t thr_full, int64_t thr_last, int64_t thr_heavy);
-}  // namespace twell
+#include <pybind11/stl.h>
+
+#include "twell_entries.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_mlp_out", &twell::sparse_mlp_out,
@@ -62,4 +42,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "relu(gate) of the dense blocks' rows into dense, from the TwELL format (csrc/twell_gate_rebuild.cu)",
         pybind11::arg("packed"), pybind11::arg("counts"), pybind11::arg("dense"), pybind11::arg("block_nnz"),
         pybind11::arg("thr_full"), pybind11::arg("thr_last"), pybind11::arg("thr_heavy"));
+  pybind11::class_<twell::MlpPlan>(m, "MlpPlan", "Shape-derived launch choices of one twell MLP call (csrc/twell_entries.h)")
+      .def(pybind11::init<>())
+      .def_readwrite("cap", &twell::MlpPlan::cap)
+      .def_readwrite("tile_n", &twell::MlpPlan::tile_n)
+      .def_readwrite("decode_gate", &twell::MlpPlan::decode_gate)
+      .def_readwrite("decode_dense", &twell::MlpPlan::decode_dense)
+      .def_readwrite("gemv_cluster", &twell::MlpPlan::gemv_cluster)
+      .def_readwrite("ctas", &twell::MlpPlan::ctas)
+      .def_readwrite("gemm_cluster", &twell::MlpPlan::gemm_cluster)
+      .def_readwrite("gemm_tile_m", &twell::MlpPlan::gemm_tile_m)
+      .def_readwrite("down_gemm_tile_m", &twell::MlpPlan::down_gemm_tile_m)
+      .def_readwrite("sparse_splits", &twell::MlpPlan::sparse_splits)
+      .def_readwrite("sparse_threads", &twell::MlpPlan::sparse_threads)
+      .def_readwrite("sparse_cluster", &twell::MlpPlan::sparse_cluster)
+      .def_readwrite("thr_full", &twell::MlpPlan::thr_full)
+      .def_readwrite("thr_last", &twell::MlpPlan::thr_last)
+      .def_readwrite("thr_heavy", &twell::MlpPlan::thr_heavy)
+      .def_readwrite("poison", &twell::MlpPlan::poison)
+      .def_readwrite("poison_word", &twell::MlpPlan::poison_word)
+      .def_readwrite("poison_count", &twell::MlpPlan::poison_count);
+  m.def("mlp_forward", &twell::mlp_forward,
+        "The whole CUDA path of one twell MLP call in one host call (csrc/twell_mlp_forward.cpp): "
+        "(out, counts, block_nnz), or None when an operand lacks contiguous 16-byte aligned rows",
+        pybind11::arg("plan"), pybind11::arg("x"), pybind11::arg("w_act"), pybind11::arg("b_act"),
+        pybind11::arg("w_up"), pybind11::arg("b_up"), pybind11::arg("w_down"), pybind11::arg("w_down_t"),
+        pybind11::arg("b_down"));
 }

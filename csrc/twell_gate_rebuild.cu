@@ -15,6 +15,7 @@
 
 #include "dense_block_test.cuh"
 #include "dtype16.cuh"
+#include "twell_entries.h"
 
 namespace twell {
 namespace {

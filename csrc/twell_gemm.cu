@@ -59,6 +59,7 @@
 #include "dense_block_test.cuh"
 #include "dtype16.cuh"
 #include "hopper_ptx.cuh"
+#include "twell_entries.h"
 
 namespace twell {
 namespace {

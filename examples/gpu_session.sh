@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent GPU: install, build the kernels, run the CUDA tests, sanitizers and benchmarks.
-#   bash examples/gpu_session.sh [smoke|test|sanitize|bench-mlp|bench-model|all]
+#   bash examples/gpu_session.sh [smoke|test|sanitize|bench-mlp|bench-host|bench-model|all]
 # Wheels for packages the GPU image lacks (expecttest) may be carried in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +27,7 @@ case $what in
       compute-sanitizer --tool $tool --target-processes all python3 "$REPO/examples/sanitize_case.py" 2>&1 | tail -6
     done ;;
   bench-mlp) python3 "$REPO/examples/bench_mlp.py" --json "$OUT/bench_mlp.json" "${@:2}" 2>&1 | tee "$OUT/bench_mlp.log" ;;
+  bench-host) python3 "$REPO/examples/bench_host_time.py" "${@:2}" 2>&1 | tee "$OUT/bench_host.log" ;;
   bench-model) python3 "$REPO/examples/bench_model.py" "${@:2}" 2>&1 | tee "$OUT/bench_model.log" ;;
   all) run_tests; python3 "$REPO/examples/bench_mlp.py" --json "$OUT/bench_mlp.json" 2>&1 | tee "$OUT/bench_mlp.log" ;;
 esac

@@ -237,3 +237,35 @@ def test_triton_kernels_alone_stay_exact(gated, path, m):
     problem = make_problem(m, 2048, 5632, 2048, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0,))
     with kernel_config(wgmma_kernels=False):
         _check(*_run(problem, gated, path), f"triton only m={m} gated={gated} path={path}")
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("path", ["auto", "dense"])
+@pytest.mark.parametrize("m", [1, 16, 300, 4097])
+def test_one_call_path_matches_the_step_by_step_path_bitwise(gated, path, m, monkeypatch):
+    """Aligned operands run in one host call (``mlp_forward``, csrc/twell_mlp_forward.cpp); the Python
+    path that calls each kernel in turn (unaligned operands, Triton) must agree with it bit for bit,
+    and the one-call path must decline, before any work, operands whose rows are not 16-byte aligned."""
+    from twell_compile.kernels import build, twell_mlp
+
+    k, f, d = 2048, 5632, 2048
+    p = make_problem(m, k, f, d, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0,))
+    act = (p.gate_weight, p.gate_bias, p.up_weight, p.up_bias) if gated else (p.up_weight, p.up_bias, None, None)
+    ext = build.cuda_extension()
+    with kernel_config(poison_buffers=True, **PATHS[path]):
+        plan = twell_mlp.call_plan(m, k, f, d, gated, p.x.device)
+        w_down_t = twell_mlp.DOWN_WEIGHT_T.transposed(p.down_weight)
+        one_call = ext.mlp_forward(plan.cuda, p.x, *act, p.down_weight, w_down_t, p.down_bias)
+        step_by_step = twell_mlp._twell_mlp_general(p.x, *act, p.down_weight, p.down_bias)
+        monkeypatch.setattr(twell_mlp, "_twell_mlp_general", None)  # the op must not need it here
+        op_out = (torch.ops.twell.gated_relu_mlp(*p.gated_args()) if gated
+                  else torch.ops.twell.relu_mlp(*p.non_gated_args()))
+        unaligned_x = torch.empty(m, k + 1, dtype=p.x.dtype, device=p.x.device)[:, 1:]
+        unaligned_x.copy_(p.x)
+        declined = ext.mlp_forward(plan.cuda, unaligned_x, *act, p.down_weight, w_down_t, p.down_bias)
+    assert one_call is not None and declined is None
+    for a, b, name in zip(one_call, step_by_step[:3], ("out", "counts", "block_nnz")):
+        assert torch.equal(a, b), name
+    assert torch.equal(op_out, one_call[0])
+    assert not one_call[0].isnan().any()

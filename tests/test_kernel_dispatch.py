@@ -66,3 +66,30 @@ def test_sparse_launch_takes_the_entry_split_only_where_it_fits():
     # Past 64 rows: 128 threads, column splits, never a cluster.
     assert launch(65, 2048, 132, vec8=True) == SparseLaunch(128, twell_mlp._column_splits(65, 2048, 132, True), 1)
     assert not launch(131072, 2048, 132, vec8=True).entry_split
+
+
+def test_call_plan_is_cached_per_shape_and_follows_the_settings(monkeypatch):
+    """The one-call CUDA path takes its launch choices from a plan cached per shape: the same choices
+    the step-by-step path makes, and a fresh plan whenever a setting changes."""
+    import types
+
+    from twell_compile.kernels import build
+
+    monkeypatch.setattr(twell_mlp, "_PLANS", {})
+    monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(build, "cuda_extension", lambda: types.SimpleNamespace(MlpPlan=types.SimpleNamespace))
+    device = torch.device("cuda", 0)
+    decode = twell_mlp.call_plan(16, 2048, 5632, 2048, True, device)
+    assert twell_mlp.call_plan(16, 2048, 5632, 2048, True, device) is decode
+    assert decode.thresholds == twell_mlp._dense_thresholds(16, 5632, entry_split=True)
+    cuda = decode.cuda
+    assert (cuda.decode_gate, cuda.decode_dense, cuda.sparse_threads, cuda.sparse_splits, cuda.sparse_cluster) == (
+        True, True, 256, 1, 8)
+    assert (cuda.thr_full, cuda.thr_last, cuda.thr_heavy) == decode.thresholds and not cuda.poison
+    large = twell_mlp.call_plan(4096, 2048, 5632, 2048, True, device).cuda
+    assert (large.decode_gate, large.decode_dense, large.ctas, large.sparse_cluster) == (False, False, 132, 1)
+
+    monkeypatch.setattr(twell_mlp.config, "decode_dense_gemv", False)
+    assert twell_mlp.call_plan(16, 2048, 5632, 2048, True, device).cuda.decode_dense is False
+    monkeypatch.setattr(twell_mlp.config, "wgmma_kernels", False)
+    assert twell_mlp.call_plan(16, 2048, 5632, 2048, True, device).cuda is None

@@ -7,7 +7,7 @@ are symbolic, so dynamic-shape tracing records them without adding guards.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -15,12 +15,13 @@ from torch import Tensor
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _require(cond, message: str) -> None:
+def _require(cond, message: Callable[[], str]) -> None:
+    """``message`` is only built on failure: these checks run on every call, in the hot path."""
     if isinstance(cond, bool):
         if not cond:
-            raise ValueError(message)
+            raise ValueError(message())
     else:  # SymBool under dynamic shapes
-        torch._check(cond, lambda: message)
+        torch._check(cond, message)
 
 
 def check_mlp_inputs(
@@ -36,29 +37,29 @@ def check_mlp_inputs(
     parallel. ``biases`` pairs each bias with the weight of the same index (None where absent).
     """
     prefix = f"twell.{op_name}:"
-    _require(x.dim() >= 1, f"{prefix} x must have at least one dimension, got a 0-d tensor")
+    _require(x.dim() >= 1, lambda: f"{prefix} x must have at least one dimension, got a 0-d tensor")
     _require(
         x.dtype in SUPPORTED_DTYPES,
-        f"{prefix} x has dtype {x.dtype}; supported dtypes are float32, float16, bfloat16 and float64",
+        lambda: f"{prefix} x has dtype {x.dtype}; supported dtypes are float32, float16, bfloat16 and float64",
     )
     for name, t in [*weights, *((n, b) for n, b in biases if b is not None)]:
         _require(
             t.dtype == x.dtype,
-            f"{prefix} {name} has dtype {t.dtype} but x has dtype {x.dtype}; all inputs must share one "
+            lambda name=name, t=t: f"{prefix} {name} has dtype {t.dtype} but x has dtype {x.dtype}; all inputs must share one "
             f"dtype (cast them, or run under torch.autocast)",
         )
         _require(
             t.device == x.device,
-            f"{prefix} {name} is on device {t.device} but x is on {x.device}; all inputs must be on one device",
+            lambda name=name, t=t: f"{prefix} {name} is on device {t.device} but x is on {x.device}; all inputs must be on one device",
         )
     for name, w in weights:
-        _require(w.dim() == 2, f"{prefix} {name} must be 2-D [out_features, in_features], got shape {tuple(w.shape)}")
+        _require(w.dim() == 2, lambda name=name, w=w: f"{prefix} {name} must be 2-D [out_features, in_features], got shape {tuple(w.shape)}")
     for (name, b), (wname, w) in zip(biases, weights):
         if b is not None:
-            _require(b.dim() == 1, f"{prefix} {name} must be 1-D, got shape {tuple(b.shape)}")
+            _require(b.dim() == 1, lambda name=name, b=b: f"{prefix} {name} must be 1-D, got shape {tuple(b.shape)}")
             _require(
                 b.shape[0] == w.shape[0],
-                f"{prefix} {name} has {b.shape[0]} elements but {wname} has {w.shape[0]} output features",
+                lambda name=name, b=b, wname=wname, w=w: f"{prefix} {name} has {b.shape[0]} elements but {wname} has {w.shape[0]} output features",
             )
 
 
@@ -72,17 +73,17 @@ def check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down
     )
     _require(
         gate_weight.shape == up_weight.shape,
-        f"twell.{name}: gate_weight {tuple(gate_weight.shape)} and up_weight {tuple(up_weight.shape)} "
+        lambda: f"twell.{name}: gate_weight {tuple(gate_weight.shape)} and up_weight {tuple(up_weight.shape)} "
         f"must have the same shape [intermediate, hidden]",
     )
     _require(
         x.shape[-1] == gate_weight.shape[1],
-        f"twell.{name}: x has {x.shape[-1]} features in its last dim but gate_weight expects "
+        lambda: f"twell.{name}: x has {x.shape[-1]} features in its last dim but gate_weight expects "
         f"{gate_weight.shape[1]} (gate_weight shape {tuple(gate_weight.shape)})",
     )
     _require(
         down_weight.shape[1] == gate_weight.shape[0],
-        f"twell.{name}: down_weight {tuple(down_weight.shape)} must take {gate_weight.shape[0]} input "
+        lambda: f"twell.{name}: down_weight {tuple(down_weight.shape)} must take {gate_weight.shape[0]} input "
         f"features, the intermediate size of gate_weight",
     )
 
@@ -97,11 +98,11 @@ def check_non_gated(x, up_weight, down_weight, up_bias, down_bias) -> None:
     )
     _require(
         x.shape[-1] == up_weight.shape[1],
-        f"twell.{name}: x has {x.shape[-1]} features in its last dim but up_weight expects "
+        lambda: f"twell.{name}: x has {x.shape[-1]} features in its last dim but up_weight expects "
         f"{up_weight.shape[1]} (up_weight shape {tuple(up_weight.shape)})",
     )
     _require(
         down_weight.shape[1] == up_weight.shape[0],
-        f"twell.{name}: down_weight {tuple(down_weight.shape)} must take {up_weight.shape[0]} input "
+        lambda: f"twell.{name}: down_weight {tuple(down_weight.shape)} must take {up_weight.shape[0]} input "
         f"features, the intermediate size of up_weight",
     )

@@ -15,6 +15,12 @@ Per call, all on PyTorch's current stream, allocations through its caching alloc
      buffer, the gate read from its TwELL output (non-gated: relu(up) expanded there by
      ``csrc/twell_gate_rebuild.cu``), then out = h W_down^T.
 Steps 3 and 4 skip the blocks the other owns, so every output row is written exactly once.
+
+With contiguous operands whose rows are 16-byte aligned (the usual case), all of it is one host call,
+``mlp_forward`` (``csrc/twell_mlp_forward.cpp``), with the launch choices taken from a plan cached per
+shape (``call_plan``): at decode sizes the host, not the GPU, sets the pace of an eager call, and the
+step-by-step path below (``_twell_mlp_general``, which serves every other case) spent most of its time
+in Python. The two make the same choices and agree bit for bit (tests/test_cuda_kernels.py).
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from . import build, triton_kernels
 from .weight_cache import DOWN_WEIGHT_T
 
 DECISION_ROWS = triton_kernels.DECISION_ROWS
+
+_PLANS: dict[tuple, "CallPlan"] = {}  # per (rows, k, f, d, gated, device); see call_plan()
+_MAX_PLANS = 4096
 
 
 @dataclasses.dataclass
@@ -82,6 +91,10 @@ class KernelConfig:
     poison_buffers: bool = False
     """Tests: fill the output and work buffers with NaN/garbage instead of leaving them uninitialised,
     so any element a kernel fails to write shows up."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        _PLANS.clear()  # plans are derived from the settings
 
 
 config = KernelConfig()
@@ -290,6 +303,48 @@ def _triton_dense_path(plan: GatePlan, gated: bool, x2: Tensor, up_weight: Tenso
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class CallPlan:
+    thresholds: tuple[int, int, int]
+    cap: int
+    cuda: object | None  # the extension's MlpPlan for the one-call path; None where settings rule it out
+
+
+def _make_call_plan(m: int, k: int, f: int, d: int, gated: bool, device: torch.device) -> CallPlan:
+    """What the one-call path (``mlp_forward``, csrc/twell_mlp_forward.cpp) does for this shape, given
+    operands with contiguous 16-byte aligned rows (it checks that per call and declines otherwise):
+    the choices the general path below makes, for that case."""
+    plan = gate_plan(m, True)
+    sms = _num_sms(device)
+    launch = sparse_launch(m, d, sms, d % 8 == 0)  # aligned rows: 16-byte rows everywhere but maybe out's
+    thresholds = _dense_thresholds(m, f, launch.entry_split)
+    if not config.wgmma_kernels or (plan.block_m, plan.tile_n) != (128, 128):
+        return CallPlan(thresholds, plan.cap, None)
+    cuda = build.cuda_extension().MlpPlan()
+    cuda.cap, cuda.tile_n = plan.cap, plan.tile_n
+    cuda.decode_gate = m <= min(config.decode_gate_rows, _DECODE_ROWS)
+    cuda.decode_dense = m <= _DECODE_ROWS and config.decode_dense_gemv
+    cuda.gemv_cluster = config.decode_gemv_cluster
+    cuda.ctas, cuda.gemm_cluster = sms, config.gemm_cluster
+    cuda.gemm_tile_m, cuda.down_gemm_tile_m = config.gemm_tile_m, config.down_gemm_tile_m
+    cuda.sparse_splits, cuda.sparse_threads, cuda.sparse_cluster = launch.splits, launch.threads, launch.cluster
+    cuda.thr_full, cuda.thr_last, cuda.thr_heavy = thresholds
+    cuda.poison, cuda.poison_word, cuda.poison_count = config.poison_buffers, _POISON_WORD, _POISON_COUNT
+    return CallPlan(thresholds, plan.cap, cuda)
+
+
+def call_plan(m: int, k: int, f: int, d: int, gated: bool, device: torch.device) -> CallPlan:
+    """Cached per shape and device (and dropped whenever ``config`` changes), so a call does no
+    launch arithmetic on the host."""
+    key = (m, k, f, d, gated, device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:  # many distinct token counts (dynamic shapes): start over
+            _PLANS.clear()
+        plan = _PLANS[key] = _make_call_plan(m, k, f, d, gated, device)
+    return plan
+
+
 def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight: Tensor | None,
               up_bias: Tensor | None, down_weight: Tensor, down_bias: Tensor | None) -> Tensor:
     """Gated when ``up_weight`` is given (``act_weight`` is the gate), non-gated otherwise
@@ -298,11 +353,41 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     k = x.shape[-1]
     f = act_weight.shape[0]
     d = down_weight.shape[0]
-    x2 = x.reshape(-1, k).contiguous()
+    x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    out = _buffer((m, d), x.dtype, x.device)
     if m == 0:
-        return out.view(*x.shape[:-1], d)
+        return x.new_empty((*x.shape[:-1], d))
+    plan = call_plan(m, k, f, d, gated, x2.device)
+    result = None
+    if plan.cuda is not None:
+        # One host call for everything (the common case: aligned, contiguous operands); None if it
+        # declines the operands, before doing anything.
+        result = build.cuda_extension().mlp_forward(plan.cuda, x2, act_weight, act_bias, up_weight, up_bias,
+                                                    down_weight, DOWN_WEIGHT_T.transposed(down_weight), down_bias)
+    if result is not None:
+        out, counts, block_nnz = result
+        thresholds, cap = plan.thresholds, plan.cap
+    else:
+        out, counts, block_nnz, thresholds, cap = _twell_mlp_general(
+            x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias)
+
+    recorder = stats.active_recorder()
+    if recorder is not None:
+        recorder.add("gated_relu_mlp" if gated else "relu_mlp", counts.sum(1), f,
+                     overflow_rows=(counts > cap).any(1), block_dense=block_dense(block_nnz, thresholds))
+    return out.view(*x.shape[:-1], d)
+
+
+def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight: Tensor | None,
+                       up_bias: Tensor | None, down_weight: Tensor, down_bias: Tensor | None):
+    """Any operands (unaligned or strided ones, the Triton kernels, the settings that switch the CUDA
+    kernels off), one step at a time. Returns (out, counts, block_nnz, thresholds, cap)."""
+    gated = up_weight is not None
+    x2 = x2.contiguous()
+    m, k = x2.shape
+    f = act_weight.shape[0]
+    d = down_weight.shape[0]
+    out = _buffer((m, d), x2.dtype, x2.device)
     act_weight, act_bias, up_weight, up_bias, down_bias = map(_contig, (act_weight, act_bias, up_weight, up_bias, down_bias))
     down_weight = down_weight.contiguous()
 
@@ -311,14 +396,14 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     # A gate CTA's rows must lie in one 128-row decision block (it adds its count to that block).
     assert DECISION_ROWS % plan.block_m == 0, plan
     n_tiles = -(-f // plan.tile_n)
-    packed = _buffer((m, n_tiles, plan.cap), torch.int32, x.device, _POISON_WORD)
-    counts = _buffer((m, n_tiles), torch.int32, x.device)
-    dense = _buffer((m, f), x.dtype, x.device)
+    packed = _buffer((m, n_tiles, plan.cap), torch.int32, x2.device, _POISON_WORD)
+    counts = _buffer((m, n_tiles), torch.int32, x2.device)
+    dense = _buffer((m, f), x2.dtype, x2.device)
     n_blocks = -(-m // DECISION_ROWS)
-    block_nnz = torch.zeros(2 * n_blocks, dtype=torch.int32, device=x.device)  # active units; overflowed row-tiles
+    block_nnz = torch.zeros(2 * n_blocks, dtype=torch.int32, device=x2.device)  # active units; overflowed row-tiles
 
     ext = build.cuda_extension()
-    sms = _num_sms(x.device)
+    sms = _num_sms(x2.device)
     cuda_gate = wgmma_ok and (plan.block_m, plan.tile_n) == (128, 128)
     if cuda_gate and m <= min(config.decode_gate_rows, _DECODE_ROWS):
         ext.decode_gate_twell(x2, act_weight, act_bias, packed, counts, dense, block_nnz,
@@ -363,9 +448,4 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     else:
         _triton_dense_path(plan, gated, x2, up_weight, up_bias, down_weight, down_bias, packed, counts, dense,
                            block_nnz, out, thresholds)
-
-    recorder = stats.active_recorder()
-    if recorder is not None:
-        recorder.add("gated_relu_mlp" if gated else "relu_mlp", counts.sum(1), f,
-                     overflow_rows=(counts > plan.cap).any(1), block_dense=block_dense(block_nnz, thresholds))
-    return out.view(*x.shape[:-1], d)
+    return out, counts, block_nnz, thresholds, plan.cap

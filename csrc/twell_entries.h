@@ -1,0 +1,68 @@
+// Host entry points of the CUDA kernels, shared by the Python binding (twell_ext.cpp) and the one-call
+// forward (twell_mlp_forward.cpp). Each checks its operands and launches on PyTorch's current stream.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace twell {
+
+void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed, const at::Tensor& counts,
+                    const at::Tensor& dense, const at::Tensor& block_nnz, const c10::optional<at::Tensor>& w_up,
+                    const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_t,
+                    const c10::optional<at::Tensor>& b_down, at::Tensor& out, int64_t tile_n, int64_t splits,
+                    int64_t threads, int64_t thr_full, int64_t thr_last, int64_t thr_heavy, int64_t cluster);
+void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                     at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz, int64_t ctas,
+                     int64_t cluster, int64_t tile_m);
+void decode_gate_twell(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                       at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz,
+                       int64_t cluster);
+void decode_dense_gemv(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
+                       const at::Tensor& block_nnz, const c10::optional<at::Tensor>& gate_packed,
+                       const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
+                       int64_t thr_heavy, int64_t cluster);
+void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
+                      const at::Tensor& block_nnz, const c10::optional<at::Tensor>& gate_packed,
+                      const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
+                      int64_t thr_heavy, int64_t ctas, int64_t cluster, int64_t tile_m);
+void rebuild_dense_gate(const at::Tensor& packed, const at::Tensor& counts, at::Tensor& dense,
+                        const at::Tensor& block_nnz, int64_t thr_full, int64_t thr_last, int64_t thr_heavy);
+
+// Everything about one call that follows from its shapes and the settings, decided in Python
+// (twell_compile/kernels/twell_mlp.py, which caches one per shape) so the per-call host work is a
+// single C++ call.
+struct MlpPlan {
+  int64_t cap = 8;                 // packed slots per (row, tile)
+  int64_t tile_n = 128;            // the gate's N-tile, the TwELL tile
+  bool decode_gate = false;        // the gate as split-K GEMVs (at most 64 rows)
+  bool decode_dense = false;       // the dense path as split-K GEMVs (at most 64 rows)
+  int64_t gemv_cluster = 0;        // their cluster size (0: chosen per launch)
+  int64_t ctas = 0;                // the wgmma GEMMs' persistent grid (the SM count)
+  int64_t gemm_cluster = 2;        // and their schedules
+  int64_t gemm_tile_m = 128;
+  int64_t down_gemm_tile_m = 256;
+  int64_t sparse_splits = 1;       // the sparse kernel's launch
+  int64_t sparse_threads = 128;
+  int64_t sparse_cluster = 1;
+  int64_t thr_full = 0;            // the dense-block test (csrc/dense_block_test.cuh)
+  int64_t thr_last = 0;
+  int64_t thr_heavy = 0;
+  bool poison = false;             // tests: fill every buffer first, so unwritten elements show
+  int64_t poison_word = 0;
+  int64_t poison_count = 0;
+};
+
+// The whole CUDA path of one twell MLP call (gate, sparse kernel, dense path), in one host call.
+// Gated when w_up is given. Returns (out, counts, block_nnz), or nothing, before any work, when an
+// operand is not a contiguous tensor with 16-byte aligned rows (the Python path handles those).
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
+    const MlpPlan& plan, const at::Tensor& x, const at::Tensor& w_act, const c10::optional<at::Tensor>& b_act,
+    const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down,
+    const at::Tensor& w_down_t, const c10::optional<at::Tensor>& b_down);
+
+}  // namespace twell

@@ -1,0 +1,94 @@
+// One host call for the whole CUDA path of a twell MLP call: the buffers, the gate, the sparse kernel
+// and the dense path, in the order twell_compile/kernels/twell_mlp.py documents. Doing this in C++
+// instead of five Python-level calls takes most of the host time off a decode-sized call (eager
+// mode, or torch.compile without CUDA graphs), where the host, not the GPU, sets the pace.
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "twell_entries.h"
+
+namespace twell {
+namespace {
+
+constexpr int64_t kDecisionRows = 128;  // as csrc/dense_block_test.cuh
+
+// What the wgmma GEMMs and the GEMVs load by TMA or 16-byte vectors: contiguous rows, 16-byte aligned.
+bool aligned_rows(const at::Tensor& t) {
+  return t.dim() == 2 && t.is_contiguous() && (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16) == 0 &&
+         (t.size(1) * t.element_size()) % 16 == 0;
+}
+
+bool contiguous_or_absent(const c10::optional<at::Tensor>& t) { return !t.has_value() || t->is_contiguous(); }
+
+}  // namespace
+
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
+    const MlpPlan& plan, const at::Tensor& x, const at::Tensor& w_act, const c10::optional<at::Tensor>& b_act,
+    const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down,
+    const at::Tensor& w_down_t, const c10::optional<at::Tensor>& b_down) {
+  const bool gated = w_up.has_value();
+  if (!aligned_rows(x) || !aligned_rows(w_act) || !aligned_rows(w_down) || (gated && !aligned_rows(*w_up)) ||
+      (w_down.size(0) * w_down.element_size()) % 16 != 0 || !contiguous_or_absent(b_act) ||
+      !contiguous_or_absent(b_up) || !contiguous_or_absent(b_down)) {
+    // (w_down's aligned rows make F % 8 == 0, so the hidden buffer's rows are aligned; the output's
+    // need D % 8 == 0.)
+    return std::nullopt;
+  }
+  TORCH_CHECK(x.is_cuda(), "twell: mlp_forward takes CUDA tensors");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t M = x.size(0), F = w_act.size(0), D = w_down.size(0);
+  const int64_t n_tiles = (F + plan.tile_n - 1) / plan.tile_n;
+  const int64_t n_blocks = (M + kDecisionRows - 1) / kDecisionRows;
+  const auto ints = x.options().dtype(at::kInt);
+  at::Tensor out = at::empty({M, D}, x.options());
+  at::Tensor packed = at::empty({M, n_tiles, plan.cap}, ints);
+  at::Tensor counts = at::empty({M, n_tiles}, ints);
+  at::Tensor dense = at::empty({M, F}, x.options());
+  at::Tensor block_nnz = at::empty({2 * n_blocks}, ints);  // active units; row-tiles past capacity
+  C10_CUDA_CHECK(cudaMemsetAsync(block_nnz.data_ptr(), 0, block_nnz.nbytes(), c10::cuda::getCurrentCUDAStream()));
+  if (plan.poison) {
+    out.fill_(std::numeric_limits<double>::quiet_NaN());
+    dense.fill_(std::numeric_limits<double>::quiet_NaN());
+    packed.fill_(plan.poison_word);
+    counts.fill_(plan.poison_count);
+  }
+
+  if (plan.decode_gate) {
+    decode_gate_twell(x, w_act, b_act, packed, counts, dense, block_nnz, plan.gemv_cluster);
+  } else {
+    gate_twell_gemm(x, w_act, b_act, packed, counts, dense, block_nnz, plan.ctas, plan.gemm_cluster, plan.gemm_tile_m);
+  }
+  const c10::optional<at::Tensor> x_if_gated = gated ? c10::optional<at::Tensor>(x) : c10::nullopt;
+  sparse_mlp_out(x_if_gated, packed, counts, dense, block_nnz, w_up, b_up, w_down_t, b_down, out, plan.tile_n,
+                 plan.sparse_splits, plan.sparse_threads, plan.thr_full, plan.thr_last, plan.thr_heavy,
+                 plan.sparse_cluster);
+
+  // Dense path for the blocks too dense to pay (its kernels skip the others): h = relu(gate) * up in
+  // place in `dense` (non-gated: relu(up) expanded there), then out = h W_down^T.
+  if (gated && plan.decode_dense) {
+    decode_dense_gemv(x, *w_up, b_up, dense, block_nnz, packed, counts, plan.thr_full, plan.thr_last, plan.thr_heavy,
+                      plan.gemv_cluster);
+  } else if (gated) {
+    dense_block_gemm(x, *w_up, b_up, dense, block_nnz, packed, counts, plan.thr_full, plan.thr_last, plan.thr_heavy,
+                     plan.ctas, plan.gemm_cluster, plan.gemm_tile_m);
+  } else {
+    rebuild_dense_gate(packed, counts, dense, block_nnz, plan.thr_full, plan.thr_last, plan.thr_heavy);
+  }
+  if (plan.decode_dense) {
+    decode_dense_gemv(dense, w_down, b_down, out, block_nnz, c10::nullopt, c10::nullopt, plan.thr_full, plan.thr_last,
+                      plan.thr_heavy, plan.gemv_cluster);
+  } else {
+    dense_block_gemm(dense, w_down, b_down, out, block_nnz, c10::nullopt, c10::nullopt, plan.thr_full, plan.thr_last,
+                     plan.thr_heavy, plan.ctas, plan.gemm_cluster, plan.down_gemm_tile_m);
+  }
+  return std::make_tuple(out, counts, block_nnz);
+}
+
+}  // namespace twell
