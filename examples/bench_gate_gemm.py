@@ -1,0 +1,61 @@
+"""The gate GEMM alone: its TwELL-pack epilogue against a plain store epilogue on the same mainloop, in
+each schedule, against cuBLAS's dense gate GEMM; same run, alternating rounds (the GPU's clock moves).
+
+    python examples/bench_gate_gemm.py [--m 131072 16384] [--rounds 2]
+
+"pack" is the gate as the op runs it (``gate_twell_gemm``); "store" is the dense-path GEMM with every
+block forced dense (``dense_block_gemm``), which writes the whole [M, N] product. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import twell_compile  # noqa: F401
+from twell_compile.kernels import build
+from twell_compile.testing import cuda_time_ms, make_problem
+
+SCHEDULES = ((2, 128), (1, 128), (2, 256))  # (CTAs per cluster, tile rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--m", type=int, nargs="+", default=[131072, 16384])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    k, f = args.hidden, args.intermediate
+    ext = build.cuda_extension()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"GPU: {torch.cuda.get_device_name()}  K={k} N={f}  (ms, CUDA-event medians of 10)")
+    for m in args.m:
+        p = make_problem(m, k, f, nnz_per_row=24.0)
+        x, w = p.x, p.gate_weight
+        n_tiles, n_blocks = -(-f // 128), -(-m // 128)
+        packed = torch.empty((m, n_tiles, 8), dtype=torch.int32, device="cuda")
+        counts = torch.empty((m, n_tiles), dtype=torch.int32, device="cuda")
+        dense = torch.empty((m, f), dtype=x.dtype, device="cuda")
+        block_nnz = torch.zeros(2 * n_blocks, dtype=torch.int32, device="cuda")
+        all_dense = torch.full((2 * n_blocks,), 1 << 30, dtype=torch.int32, device="cuda")
+
+        def pack(cluster, tile_m):
+            block_nnz.zero_()
+            ext.gate_twell_gemm(x, w, None, packed, counts, dense, block_nnz, sms, cluster, tile_m)
+
+        def store(cluster, tile_m):
+            ext.dense_block_gemm(x, w, None, dense, all_dense, None, None, 0, 0, 0, sms, cluster, tile_m)
+
+        for r in range(args.rounds):
+            times = {"cuBLAS": cuda_time_ms(lambda: F.linear(x, w), 10)}
+            for cluster, tile_m in SCHEDULES:
+                times[f"pack {cluster}x{tile_m}"] = cuda_time_ms(lambda: pack(cluster, tile_m), 10)
+                times[f"store {cluster}x{tile_m}"] = cuda_time_ms(lambda: store(cluster, tile_m), 10)
+            print(f"M={m} round {r}: " + "  ".join(f"{name} {t:.3f}" for name, t in times.items()))
+
+
+if __name__ == "__main__":
+    main()
