@@ -93,3 +93,44 @@ def test_call_plan_is_cached_per_shape_and_follows_the_settings(monkeypatch):
     assert twell_mlp.call_plan(16, 2048, 5632, 2048, True, device).cuda.decode_dense is False
     monkeypatch.setattr(twell_mlp.config, "wgmma_kernels", False)
     assert twell_mlp.call_plan(16, 2048, 5632, 2048, True, device).cuda is None
+
+
+def test_step_by_step_path_launches_what_the_one_call_path_launches(monkeypatch):
+    """With the one-call path declining (as for unaligned operands), the Python path runs the same
+    kernel entries in the same order as csrc/twell_mlp_forward.cpp: the gate (GEMV at decode sizes),
+    the sparse kernel, then the dense path (gate times up, or the non-gated rebuild; then the down
+    projection). Recorded with a stand-in extension, on CPU tensors."""
+    import types
+
+    from twell_compile.kernels import build
+
+    calls = []
+
+    class RecordingExtension:
+        MlpPlan = types.SimpleNamespace
+
+        def mlp_forward(self, *args):
+            calls.append("mlp_forward")
+            return None
+
+        def __getattr__(self, name):
+            return lambda *args: calls.append(name)
+
+    ext = RecordingExtension()
+    monkeypatch.setattr(twell_mlp, "_PLANS", {})
+    monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(build, "cuda_extension", lambda: ext)
+    expected = {
+        (16, True): ["decode_gate_twell", "sparse_mlp_out", "decode_dense_gemv", "decode_dense_gemv"],
+        (16, False): ["decode_gate_twell", "sparse_mlp_out", "rebuild_dense_gate", "decode_dense_gemv"],
+        (300, True): ["gate_twell_gemm", "sparse_mlp_out", "dense_block_gemm", "dense_block_gemm"],
+        (300, False): ["gate_twell_gemm", "sparse_mlp_out", "rebuild_dense_gate", "dense_block_gemm"],
+    }
+    weight = torch.randn(64, 32, dtype=torch.bfloat16)
+    down = torch.randn(32, 64, dtype=torch.bfloat16)
+    for (m, gated), kernels in expected.items():
+        calls.clear()
+        x = torch.randn(m, 32, dtype=torch.bfloat16)
+        out = twell_mlp.twell_mlp(x, weight, None, weight if gated else None, None, down, None)
+        assert out.shape == (m, 32)
+        assert calls == ["mlp_forward", *kernels], (m, gated)

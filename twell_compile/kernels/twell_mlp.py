@@ -303,6 +303,16 @@ def _triton_dense_path(plan: GatePlan, gated: bool, x2: Tensor, up_weight: Tenso
     )
 
 
+def _decode_gate(m: int) -> bool:
+    """Where the gate GEMM ran as a CUDA kernel: whether it is the split-K GEMV (decode sizes)."""
+    return m <= min(config.decode_gate_rows, _DECODE_ROWS)
+
+
+def _decode_dense(m: int) -> bool:
+    """Where the dense path runs on the CUDA kernels: whether they are the split-K GEMVs."""
+    return m <= _DECODE_ROWS and config.decode_dense_gemv
+
+
 @dataclasses.dataclass(frozen=True)
 class CallPlan:
     thresholds: tuple[int, int, int]
@@ -322,8 +332,7 @@ def _make_call_plan(m: int, k: int, f: int, d: int, gated: bool, device: torch.d
         return CallPlan(thresholds, plan.cap, None)
     cuda = build.cuda_extension().MlpPlan()
     cuda.cap, cuda.tile_n = plan.cap, plan.tile_n
-    cuda.decode_gate = m <= min(config.decode_gate_rows, _DECODE_ROWS)
-    cuda.decode_dense = m <= _DECODE_ROWS and config.decode_dense_gemv
+    cuda.decode_gate, cuda.decode_dense = _decode_gate(m), _decode_dense(m)
     cuda.gemv_cluster = config.decode_gemv_cluster
     cuda.ctas, cuda.gemm_cluster = sms, config.gemm_cluster
     cuda.gemm_tile_m, cuda.down_gemm_tile_m = config.gemm_tile_m, config.down_gemm_tile_m
@@ -405,7 +414,7 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
     ext = build.cuda_extension()
     sms = _num_sms(x2.device)
     cuda_gate = wgmma_ok and (plan.block_m, plan.tile_n) == (128, 128)
-    if cuda_gate and m <= min(config.decode_gate_rows, _DECODE_ROWS):
+    if cuda_gate and _decode_gate(m):
         ext.decode_gate_twell(x2, act_weight, act_bias, packed, counts, dense, block_nnz,
                               config.decode_gemv_cluster)
     elif cuda_gate:
@@ -430,7 +439,7 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
     # expanded into `dense` from the TwELL output. Then out = h W_down^T.
     operands = (x2, down_weight, dense, out, *((up_weight,) if gated else ()))
     if cuda_gate and _tma_ok(*operands):
-        decode = m <= _DECODE_ROWS and config.decode_dense_gemv
+        decode = _decode_dense(m)
         if gated and decode:
             ext.decode_dense_gemv(x2, up_weight, up_bias, dense, block_nnz, packed, counts, *thresholds,
                                   config.decode_gemv_cluster)
