@@ -33,6 +33,13 @@ void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optio
 void rebuild_dense_gate(const at::Tensor& packed, const at::Tensor& counts, at::Tensor& dense,
                         const at::Tensor& block_nnz, int64_t thr_full, int64_t thr_last, int64_t thr_heavy);
 
+// Rows that TMA (the wgmma GEMMs) and 16-byte vector loads (the GEMVs) can read: a 2-D tensor with unit
+// column stride, its base and row stride 16-byte aligned.
+inline bool tma_compatible(const at::Tensor& t) {
+  return t.dim() == 2 && t.stride(1) == 1 && (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16) == 0 &&
+         (t.stride(0) * t.element_size()) % 16 == 0;
+}
+
 // Everything about one call that follows from its shapes and the settings, decided in Python
 // (twell_compile/kernels/twell_mlp.py, which caches one per shape) so the per-call host work is a
 // single C++ call.

@@ -701,11 +701,6 @@ void dispatch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args
   }
 }
 
-bool tma_compatible(const at::Tensor& t) {
-  return t.dim() == 2 && t.stride(1) == 1 && (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16) == 0 &&
-         (t.stride(0) * t.element_size()) % 16 == 0;
-}
-
 // Shapes and dtypes shared by every entry point: C [M, N] = A [M, K] B [N, K]^T (+ bias [N]).
 void check_operands(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, const at::Tensor& c) {
   TORCH_CHECK(a.is_cuda() && b.device() == a.device() && c.device() == a.device(), "twell: operands must be on one CUDA device");

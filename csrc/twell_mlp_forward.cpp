@@ -7,23 +7,19 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime_api.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 #include <limits>
 
+#include "dense_block_test.cuh"
 #include "twell_entries.h"
 
 namespace twell {
 namespace {
 
-constexpr int64_t kDecisionRows = 128;  // as csrc/dense_block_test.cuh
-
-// What the wgmma GEMMs and the GEMVs load by TMA or 16-byte vectors: contiguous rows, 16-byte aligned.
-bool aligned_rows(const at::Tensor& t) {
-  return t.dim() == 2 && t.is_contiguous() && (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16) == 0 &&
-         (t.size(1) * t.element_size()) % 16 == 0;
-}
+// The GEMVs also need contiguous operands.
+bool aligned_rows(const at::Tensor& t) { return tma_compatible(t) && t.is_contiguous(); }
 
 bool contiguous_or_absent(const c10::optional<at::Tensor>& t) { return !t.has_value() || t->is_contiguous(); }
 

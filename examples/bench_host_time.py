@@ -54,7 +54,7 @@ def main() -> None:
             times[f"dense{rep}"] = host_time_us(lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd))
             times[f"op{rep}"] = host_time_us(lambda: op(x, wg, wu, wd))
         times["twell_mlp"] = host_time_us(lambda: twell_mlp.twell_mlp(x, wg, None, wu, None, wd, None))
-        plan = twell_mlp.call_plan(m, k, f, k, True, x.device)
+        plan = twell_mlp.call_plan(m, f, k, x.device)
         if plan.cuda is not None:
             w_down_t = twell_mlp.DOWN_WEIGHT_T.transposed(wd)
             times["mlp_forward"] = host_time_us(

@@ -79,20 +79,20 @@ def test_call_plan_is_cached_per_shape_and_follows_the_settings(monkeypatch):
     monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
     monkeypatch.setattr(build, "cuda_extension", lambda: types.SimpleNamespace(MlpPlan=types.SimpleNamespace))
     device = torch.device("cuda", 0)
-    decode = twell_mlp.call_plan(16, 2048, 5632, 2048, True, device)
-    assert twell_mlp.call_plan(16, 2048, 5632, 2048, True, device) is decode
+    decode = twell_mlp.call_plan(16, 5632, 2048, device)
+    assert twell_mlp.call_plan(16, 5632, 2048, device) is decode
     assert decode.thresholds == twell_mlp._dense_thresholds(16, 5632, entry_split=True)
     cuda = decode.cuda
     assert (cuda.decode_gate, cuda.decode_dense, cuda.sparse_threads, cuda.sparse_splits, cuda.sparse_cluster) == (
         True, True, 256, 1, 8)
     assert (cuda.thr_full, cuda.thr_last, cuda.thr_heavy) == decode.thresholds and not cuda.poison
-    large = twell_mlp.call_plan(4096, 2048, 5632, 2048, True, device).cuda
+    large = twell_mlp.call_plan(4096, 5632, 2048, device).cuda
     assert (large.decode_gate, large.decode_dense, large.ctas, large.sparse_cluster) == (False, False, 132, 1)
 
     monkeypatch.setattr(twell_mlp.config, "decode_dense_gemv", False)
-    assert twell_mlp.call_plan(16, 2048, 5632, 2048, True, device).cuda.decode_dense is False
+    assert twell_mlp.call_plan(16, 5632, 2048, device).cuda.decode_dense is False
     monkeypatch.setattr(twell_mlp.config, "wgmma_kernels", False)
-    assert twell_mlp.call_plan(16, 2048, 5632, 2048, True, device).cuda is None
+    assert twell_mlp.call_plan(16, 5632, 2048, device).cuda is None
 
 
 def test_step_by_step_path_launches_what_the_one_call_path_launches(monkeypatch):

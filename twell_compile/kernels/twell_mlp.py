@@ -38,7 +38,7 @@ from .weight_cache import DOWN_WEIGHT_T
 
 DECISION_ROWS = triton_kernels.DECISION_ROWS
 
-_PLANS: dict[tuple, "CallPlan"] = {}  # per (rows, k, f, d, gated, device); see call_plan()
+_PLANS: dict[tuple, "CallPlan"] = {}  # per (rows, intermediate, output features, device); see call_plan()
 _MAX_PLANS = 4096
 
 
@@ -320,7 +320,7 @@ class CallPlan:
     cuda: object | None  # the extension's MlpPlan for the one-call path; None where settings rule it out
 
 
-def _make_call_plan(m: int, k: int, f: int, d: int, gated: bool, device: torch.device) -> CallPlan:
+def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     """What the one-call path (``mlp_forward``, csrc/twell_mlp_forward.cpp) does for this shape, given
     operands with contiguous 16-byte aligned rows (it checks that per call and declines otherwise):
     the choices the general path below makes, for that case."""
@@ -342,15 +342,15 @@ def _make_call_plan(m: int, k: int, f: int, d: int, gated: bool, device: torch.d
     return CallPlan(thresholds, plan.cap, cuda)
 
 
-def call_plan(m: int, k: int, f: int, d: int, gated: bool, device: torch.device) -> CallPlan:
+def call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     """Cached per shape and device (and dropped whenever ``config`` changes), so a call does no
-    launch arithmetic on the host."""
-    key = (m, k, f, d, gated, device)
+    launch arithmetic on the host. The input size and gating change no launch choice."""
+    key = (m, f, d, device)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:  # many distinct token counts (dynamic shapes): start over
             _PLANS.clear()
-        plan = _PLANS[key] = _make_call_plan(m, k, f, d, gated, device)
+        plan = _PLANS[key] = _make_call_plan(m, f, d, device)
     return plan
 
 
@@ -366,7 +366,7 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     m = x2.shape[0]
     if m == 0:
         return x.new_empty((*x.shape[:-1], d))
-    plan = call_plan(m, k, f, d, gated, x2.device)
+    plan = call_plan(m, f, d, x2.device)
     result = None
     if plan.cuda is not None:
         # One host call for everything (the common case: aligned, contiguous operands); None if it
