@@ -186,34 +186,5 @@ __device__ __forceinline__ void wgmma_m64n128k16<false>(float (&d)[64], uint64_t
 
 #undef TWELL_WGMMA_N128_ASM
 
-// d[64x256] (+)= A[64x16] . B[256x16]^T, as wgmma_m64n128k16 with 256 columns: the thread's columns
-// 0-127 go to lo and 128-255 to hi, each in the m64n128 layout above (the n256 accumulator layout is two
-// n128 layouts side by side), so a 128-wide TwELL tile's epilogue takes either half unchanged.
-template <bool kBF16>
-__device__ __forceinline__ void wgmma_m64n256k16(float (&lo)[64], float (&hi)[64], uint64_t desc_a, uint64_t desc_b,
-                                                 int scale_d);
-
-#define TWELL_WGMMA_N256_ASM(AB) \
-  asm volatile( \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n" \
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32." AB "." AB " " \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 0;\n}\n" \
-      : "+f"(lo[0]), "+f"(lo[1]), "+f"(lo[2]), "+f"(lo[3]), "+f"(lo[4]), "+f"(lo[5]), "+f"(lo[6]), "+f"(lo[7]), "+f"(lo[8]), "+f"(lo[9]), "+f"(lo[10]), "+f"(lo[11]), "+f"(lo[12]), "+f"(lo[13]), "+f"(lo[14]), "+f"(lo[15]), "+f"(lo[16]), "+f"(lo[17]), "+f"(lo[18]), "+f"(lo[19]), "+f"(lo[20]), "+f"(lo[21]), "+f"(lo[22]), "+f"(lo[23]), "+f"(lo[24]), "+f"(lo[25]), "+f"(lo[26]), "+f"(lo[27]), "+f"(lo[28]), "+f"(lo[29]), "+f"(lo[30]), "+f"(lo[31]), "+f"(lo[32]), "+f"(lo[33]), "+f"(lo[34]), "+f"(lo[35]), "+f"(lo[36]), "+f"(lo[37]), "+f"(lo[38]), "+f"(lo[39]), "+f"(lo[40]), "+f"(lo[41]), "+f"(lo[42]), "+f"(lo[43]), "+f"(lo[44]), "+f"(lo[45]), "+f"(lo[46]), "+f"(lo[47]), "+f"(lo[48]), "+f"(lo[49]), "+f"(lo[50]), "+f"(lo[51]), "+f"(lo[52]), "+f"(lo[53]), "+f"(lo[54]), "+f"(lo[55]), "+f"(lo[56]), "+f"(lo[57]), "+f"(lo[58]), "+f"(lo[59]), "+f"(lo[60]), "+f"(lo[61]), "+f"(lo[62]), "+f"(lo[63]), "+f"(hi[0]), "+f"(hi[1]), "+f"(hi[2]), "+f"(hi[3]), "+f"(hi[4]), "+f"(hi[5]), "+f"(hi[6]), "+f"(hi[7]), "+f"(hi[8]), "+f"(hi[9]), "+f"(hi[10]), "+f"(hi[11]), "+f"(hi[12]), "+f"(hi[13]), "+f"(hi[14]), "+f"(hi[15]), "+f"(hi[16]), "+f"(hi[17]), "+f"(hi[18]), "+f"(hi[19]), "+f"(hi[20]), "+f"(hi[21]), "+f"(hi[22]), "+f"(hi[23]), "+f"(hi[24]), "+f"(hi[25]), "+f"(hi[26]), "+f"(hi[27]), "+f"(hi[28]), "+f"(hi[29]), "+f"(hi[30]), "+f"(hi[31]), "+f"(hi[32]), "+f"(hi[33]), "+f"(hi[34]), "+f"(hi[35]), "+f"(hi[36]), "+f"(hi[37]), "+f"(hi[38]), "+f"(hi[39]), "+f"(hi[40]), "+f"(hi[41]), "+f"(hi[42]), "+f"(hi[43]), "+f"(hi[44]), "+f"(hi[45]), "+f"(hi[46]), "+f"(hi[47]), "+f"(hi[48]), "+f"(hi[49]), "+f"(hi[50]), "+f"(hi[51]), "+f"(hi[52]), "+f"(hi[53]), "+f"(hi[54]), "+f"(hi[55]), "+f"(hi[56]), "+f"(hi[57]), "+f"(hi[58]), "+f"(hi[59]), "+f"(hi[60]), "+f"(hi[61]), "+f"(hi[62]), "+f"(hi[63]) \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-
-template <>
-__device__ __forceinline__ void wgmma_m64n256k16<true>(float (&lo)[64], float (&hi)[64], uint64_t desc_a, uint64_t desc_b,
-                                                       int scale_d) {
-  TWELL_WGMMA_N256_ASM("bf16");
-}
-
-template <>
-__device__ __forceinline__ void wgmma_m64n256k16<false>(float (&lo)[64], float (&hi)[64], uint64_t desc_a,
-                                                        uint64_t desc_b, int scale_d) {
-  TWELL_WGMMA_N256_ASM("f16");
-}
-
-#undef TWELL_WGMMA_N256_ASM
-
 }  // namespace ptx
 }  // namespace twell

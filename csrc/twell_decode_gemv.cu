@@ -29,6 +29,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "cluster_launch.cuh"
@@ -296,15 +297,26 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvA
   ptx::cluster_sync();  // no CTA leaves while another may still read its partial
 }
 
+// The current device's SM count, asked of the runtime once per device rather than per launch.
+int current_sm_count() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices] = {};
+  const int device = c10::cuda::current_device();
+  int sms = device < kMaxDevices ? known[device].load(std::memory_order_relaxed) : 0;
+  if (sms == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    if (device < kMaxDevices) known[device].store(sms, std::memory_order_relaxed);
+  }
+  return sms;
+}
+
 // Clusters of 8 CTAs along K by default; of 16 (non-portable, where the GPU schedules them) when 8 per
 // column tile would leave SMs idle (the 2B down projection: 16 tiles, 128 CTAs on 132 SMs; H200, M = 1:
 // 14 against 22 us). `requested` (1 to 16) overrides the choice, for measurements; either way at most
 // one CTA per K chunk.
 bool wants_wide_cluster(const DecodeGemvArgs& args, int n_chunks, int requested) {
   if (requested > 0) return requested > kPortableClusterMax;
-  int device = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = current_sm_count();
   return args.n_tiles * kPortableClusterMax < sms && n_chunks >= kNonPortableClusterMax;
 }
 

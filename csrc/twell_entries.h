@@ -18,7 +18,7 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
                     int64_t threads, int64_t thr_full, int64_t thr_last, int64_t thr_heavy, int64_t cluster);
 void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                      at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz, int64_t ctas,
-                     int64_t cluster, int64_t tile_m, int64_t tile_n);
+                     int64_t cluster, int64_t tile_m);
 void decode_gate_twell(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                        at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz,
                        int64_t cluster);
@@ -29,7 +29,7 @@ void decode_dense_gemv(const at::Tensor& a, const at::Tensor& b, const c10::opti
 void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
                       const at::Tensor& block_nnz, const c10::optional<at::Tensor>& gate_packed,
                       const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
-                      int64_t thr_heavy, int64_t ctas, int64_t cluster, int64_t tile_m, int64_t tile_n);
+                      int64_t thr_heavy, int64_t ctas, int64_t cluster, int64_t tile_m);
 void rebuild_dense_gate(const at::Tensor& packed, const at::Tensor& counts, at::Tensor& dense,
                         const at::Tensor& block_nnz, int64_t thr_full, int64_t thr_last, int64_t thr_heavy);
 
@@ -50,11 +50,9 @@ struct MlpPlan {
   bool decode_dense = false;       // the dense path as split-K GEMVs (at most 64 rows)
   int64_t gemv_cluster = 0;        // their cluster size (0: chosen per launch)
   int64_t ctas = 0;                // the wgmma GEMMs' persistent grid (the SM count)
-  int64_t gemm_cluster = 2;        // and their schedules (csrc/twell_gemm.cu): gate and gate times up,
+  int64_t gemm_cluster = 2;        // and their schedules
   int64_t gemm_tile_m = 128;
-  int64_t gemm_tile_n = 128;
-  int64_t down_gemm_tile_m = 256;  // and the down projection
-  int64_t down_gemm_tile_n = 128;
+  int64_t down_gemm_tile_m = 256;
   int64_t sparse_splits = 1;       // the sparse kernel's launch
   int64_t sparse_threads = 128;
   int64_t sparse_cluster = 1;

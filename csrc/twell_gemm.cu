@@ -17,25 +17,19 @@
 // others are skipped without loading anything, so the host never needs to know which blocks they are.
 //
 // CTA = 3 warpgroups. Warpgroup 0 is the producer: one thread streams (A, B) K-slices into a ring of
-// shared-memory stages with TMA. Warpgroups 1 and 2 are consumers, each holding 128 fp32 accumulators
-// per thread (two 64-row wgmma chains), in one of three schedules (tile_m x tile_n):
-// * ping-pong (128 x 128): each consumer owns 128 rows by 128 columns (two m64n128k16 chains); the
-//   consumers take alternate tiles. While one runs its epilogue, the other's MMAs run, so the epilogue
-//   hides behind the tensor cores. A consumer starts waiting for its tile's K-slices only once the
-//   other has received all of its own ("turn" barriers): the mainloops then run one after the other,
-//   and no consumer waits on a ring stage more than one phase ahead (mbarrier parity waits cannot tell
-//   phases two apart).
-// * cooperative (256 x 128): both consumers work on one tile (rows 0-127 and 128-255), so the B slice
-//   serves twice the rows and the L2 traffic per output falls, but the epilogue is exposed. It pays
-//   where the mainloop is long beside the epilogue: the dense-path down projection (K = the
+// shared-memory stages with TMA. Warpgroups 1 and 2 are consumers, each owning 128 output rows by 128
+// columns (two m64n128k16 wgmma chains), in one of two schedules:
+// * ping-pong (tile_m 128): the consumers take alternate 128 x 128 tiles; while one runs its epilogue,
+//   the other's MMAs run, so the epilogue hides behind the tensor cores. A consumer starts waiting for
+//   its tile's K-slices only once the other has received all of its own ("turn" barriers): the
+//   mainloops then run one after the other, and no consumer waits on a ring stage more than one phase
+//   ahead (mbarrier parity waits cannot tell phases two apart). The gate and gate-times-up GEMMs use it.
+// * cooperative (tile_m 256): both consumers work on one 256 x 128 tile (rows 0-127 and 128-255), so
+//   the B slice serves twice the rows and the L2 traffic per output falls, but the epilogue is exposed.
+//   It pays where the mainloop is long beside the epilogue: the dense-path down projection (K = the
 //   intermediate size; H200, 2B shape: 4.0-4.1 against 4.4-4.5 ms), not the gate (5.0 against 4.7 ms).
-// * cooperative wide (128 x 256): both consumers work on one tile, 64 rows by 256 columns each (one
-//   m64n256k16 chain: two TwELL tiles side by side, each packed as above). Each MMA reads a 64 x 16
-//   slice of A from shared memory for 256 columns instead of 128, and a stage feeds 128 x 256 outputs
-//   rather than 128 x 128 (48 KB against 32 KB per K-slice): less shared-memory and L2 traffic per
-//   MMA than either schedule above; the epilogue is exposed as in the cooperative one.
-// On the dense path a tile runs if any of its decision blocks is dense; a cooperative consumer whose
-// block is sparse (or past the end) only receives and releases the stages, without MMAs.
+//   On the dense path a 256-row tile runs if either of its blocks is dense; a consumer whose block is
+//   sparse (or past the end) only receives and releases the stages, without MMAs.
 // The dense-path kernels read the per-block test once per CTA into a shared bitmap, and a CTA exits at
 // once when no block is dense.
 //
@@ -81,32 +75,20 @@ constexpr int kBarrierBytes = (2 * kMaxStages + 2) * 8;
 constexpr int kSmemBytes = kRingBytes + 1024 /* alignment */ + kBarrierBytes + kBitmapBlocks / 8;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 
-// The three schedules (see the file comment), by CTA tile:
-// * 128 x 128, ping-pong: the consumers take alternate tiles, 128 rows each, as two m64n128 chains;
-// * 256 x 128, cooperative: both consumers share each tile (rows 0-127 and 128-255), two m64n128
-//   chains each; half the B traffic per output again, at the price of an epilogue the tensor cores
-//   wait for;
-// * 128 x 256, cooperative and wide: both consumers share each tile (rows 0-63 and 64-127), one
-//   m64n256 chain each, i.e. two 128-wide TwELL tiles side by side. Per MMA, shared memory serves
-//   64 x 16 of A for 256 columns rather than 128, the shape cuBLAS's large GEMMs use on Hopper.
-template <int kTileM, int kTileN>
+// The two schedules (see the file comment): ping-pong, 128 x 128 tiles that the consumers take in turn;
+// cooperative, 256 x 128 tiles that both consumers share (rows 0-127 and 128-255), half the A traffic
+// per output again at the price of an epilogue the tensor cores wait for.
+template <int kTileM>
 struct Schedule {
-  static_assert((kTileM == 128 && kTileN == 128) || (kTileM == 256 && kTileN == 128) ||
-                    (kTileM == 128 && kTileN == 256),
-                "ping-pong, cooperative or cooperative wide");
-  static constexpr bool kWide = kTileN == 256;
-  static constexpr bool kCoop = kTileM == 256 || kWide;
-  static constexpr int kConsumerRows = kCoop ? kTileM / 2 : kTileM;  // a consumer's rows of a tile
-  static constexpr int kBlocksPerTile = kTileM / kBlockM;             // decision blocks per tile
-  static constexpr int kTwellTiles = kTileN / kBlockN;                // TwELL tiles per tile
+  static_assert(kTileM == 128 || kTileM == 256, "ping-pong or cooperative");
+  static constexpr bool kCoop = kTileM == 256;
+  static constexpr int kBlocksPerTile = kTileM / kBlockM;
   static constexpr int kATileBytes = kTileM * kBlockK * 2;
-  static constexpr int kBTileBytes = kTileN * kBlockK * 2;
+  static constexpr int kBTileBytes = kBlockN * kBlockK * 2;
   static constexpr int kStageBytes = kATileBytes + kBTileBytes;
   static constexpr int kStages = kRingBytes / kStageBytes;          // 6 or 4
   static constexpr int kReleasingWarps = kCoop ? 8 : 4;            // consumer warps that read each stage
   static_assert(kStages <= kMaxStages && kStages * kStageBytes == kRingBytes, "ring");
-  // A consumer's rows lie in one decision block (its block-count atomics and the dense-path filter).
-  static_assert(kConsumerRows <= kBlockM && kBlockM % kConsumerRows == 0, "consumer rows");
 };
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers
@@ -121,58 +103,28 @@ __device__ __forceinline__ void tile_coords(int tile, int n_tiles_m, int n_tiles
   pn = r / rows_in_group;
 }
 
-// Cluster shapes: 1, a single CTA; 2, a pair of horizontally adjacent tiles (the same rows, columns pn
-// and pn + 1) sharing the A tile; 4, a quad of 2 x 2 tiles (the gate only), each A tile shared by the
-// two CTAs of its tile row and each B tile by the two of its tile column. Rank = rn * kM + rm.
-template <int kCluster>
-struct ClusterShape {
-  static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4, "single CTAs, pairs or quads");
-  static constexpr int kM = kCluster == 4 ? 2 : 1;  // CTAs along M
-  static constexpr int kN = kCluster / kM;           // CTAs along N
-  // The CTAs whose stages this CTA's loads land in (its A and B peers and itself): a stage may be
-  // refilled once the consumers of all of them have released it.
-  static constexpr int kSharing = kM + kN - 1;
-};
-
-// The tiles a persistent CTA computes: units strided over the grid in grouped order. In a cluster a
-// unit is a kM x kN block of tiles, one per CTA of the cluster.
+// The tiles a persistent CTA computes: units strided over the grid in grouped order. With 2-CTA clusters
+// a unit is a pair of horizontally adjacent tiles, one per CTA of the cluster (rank 0 the left).
 template <int kCluster>
 struct TileWalk {
-  using C = ClusterShape<kCluster>;
-  int first, stride, n_tiles_m, n_tiles_n, group_m, rm, rn;
+  int first, stride, n_tiles_m, n_tiles_n, group_m, rank;
   __device__ __forceinline__ TileWalk(int n_tiles_m_, int n_tiles_n_, int group_m_)
       : first(static_cast<int>(blockIdx.x) / kCluster),
         stride(static_cast<int>(gridDim.x) / kCluster),
         n_tiles_m(n_tiles_m_),
         n_tiles_n(n_tiles_n_),
-        group_m(group_m_) {
-    const int rank = kCluster == 1 ? 0 : static_cast<int>(ptx::cluster_ctarank());
-    rm = rank % C::kM;
-    rn = rank / C::kM;
-  }
-  __device__ __forceinline__ int units_m() const { return (n_tiles_m + C::kM - 1) / C::kM; }
-  __device__ __forceinline__ int units_n() const { return (n_tiles_n + C::kN - 1) / C::kN; }
-  __device__ __forceinline__ int n_units() const { return units_m() * units_n(); }
+        group_m(group_m_),
+        rank(kCluster == 1 ? 0 : static_cast<int>(ptx::cluster_ctarank())) {}
+  __device__ __forceinline__ int units_n() const { return (n_tiles_n + kCluster - 1) / kCluster; }
+  __device__ __forceinline__ int n_units() const { return n_tiles_m * units_n(); }
   __device__ __forceinline__ void coords(int unit, int& pm, int& pn) const {
-    int upm, upn;
-    tile_coords(unit, units_m(), units_n(), group_m, upm, upn);
-    pm = upm * C::kM + rm;
-    pn = upn * C::kN + rn;
+    int spn;
+    tile_coords(unit, n_tiles_m, units_n(), group_m, pm, spn);
+    pn = spn * kCluster + rank;
   }
-  // The last clusters' CTAs may lie past the last row or column tile: they still load (their peers need
-  // their share of A or B) but store nothing.
-  __device__ __forceinline__ bool real(int pm, int pn) const { return pm < n_tiles_m && pn < n_tiles_n; }
-  // Ranks of the CTAs sharing this one's A tile (same rm) and B tile (same rn), itself included.
-  __device__ __forceinline__ uint16_t a_sharers() const {
-    uint16_t mask = 0;
-    for (int n = 0; n < C::kN; ++n) mask |= static_cast<uint16_t>(1u << (n * C::kM + rm));
-    return mask;
-  }
-  __device__ __forceinline__ uint16_t b_sharers() const {
-    uint16_t mask = 0;
-    for (int m = 0; m < C::kM; ++m) mask |= static_cast<uint16_t>(1u << (rn * C::kM + m));
-    return mask;
-  }
+  // The last cluster's last ranks may be past the last column tile: they still load (their peers need
+  // their share of A) but store nothing.
+  __device__ __forceinline__ bool real(int pn) const { return kCluster == 1 || pn < n_tiles_n; }
 };
 
 // Keeps the compiler from moving accumulator registers while wgmma owns them.
@@ -366,8 +318,9 @@ __device__ __forceinline__ void load_gate(int64_t row, int tile, int cols_left, 
 }
 
 // Gate times up: started when a consumer begins a tile's mainloop, so that its epilogue finds the gate
-// (count, slots, backup row) in L2 rather than waiting on device memory. One (row, tile) per thread.
-__device__ __forceinline__ void prefetch_gate(int row, int tile, const EpilogueArgs& args) {
+// (count, slots, backup row) in L2 rather than waiting on device memory. One row per consumer thread.
+__device__ __forceinline__ void prefetch_gate(int first_row, int tile, int t, const EpilogueArgs& args) {
+  const int row = first_row + t;
   if (row >= args.M) return;
   const int64_t row_tile = static_cast<int64_t>(row) * args.n_tiles_n + tile;
   ptx::prefetch_l2(args.counts + row_tile);
@@ -460,10 +413,10 @@ struct Smem {
   uint32_t* bits;   // dense-block bitmap
 };
 
-template <Epilogue kMode, int kCluster, int kTileM, int kTileN>
+template <Epilogue kMode, int kCluster, int kTileM>
 __device__ __forceinline__ bool setup(uint8_t* smem_raw, const EpilogueArgs& args, Smem& sm, BlockFilter& filter) {
   sm.stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  using S = Schedule<kTileM, kTileN>;
+  using S = Schedule<kTileM>;
   sm.full = reinterpret_cast<uint64_t*>(sm.stages + kRingBytes);
   sm.empty = sm.full + S::kStages;
   sm.turn = sm.empty + S::kStages;
@@ -471,8 +424,8 @@ __device__ __forceinline__ bool setup(uint8_t* smem_raw, const EpilogueArgs& arg
   if (threadIdx.x == 0) {
     for (int s = 0; s < S::kStages; ++s) {
       ptx::mbarrier_init(&sm.full[s], 1);  // the producer's expect_tx arrival (+ the TMA bytes)
-      // one arrival per consumer warp that reads the stage, in each CTA whose loads land in it
-      ptx::mbarrier_init(&sm.empty[s], S::kReleasingWarps * ClusterShape<kCluster>::kSharing);
+      // one arrival per consumer warp that reads the stage, in each CTA it feeds
+      ptx::mbarrier_init(&sm.empty[s], S::kReleasingWarps * kCluster);
     }
     for (int c = 0; c < 2; ++c) ptx::mbarrier_init(&sm.turn[c], 4);
     ptx::fence_barrier_init();
@@ -482,28 +435,24 @@ __device__ __forceinline__ bool setup(uint8_t* smem_raw, const EpilogueArgs& arg
   bool work = true;
   if constexpr (kMode == Epilogue::kTwellPack) {
     if constexpr (kCluster == 1) __syncthreads();
-  } else {  // the CTAs of a pair read the same block test, so they return (or not) together
+  } else {  // both CTAs of a pair read the same block test, so they return (or not) together
     work = __syncthreads_or(fill_block_bits(args.dense_test, sm.bits)) != 0;
   }
   if constexpr (kCluster > 1) {
-    if (work) ptx::cluster_sync();  // the peers' barriers are initialised before anything arrives on them
+    if (work) ptx::cluster_sync();  // the peer's barriers are initialised before anything arrives on them
   }
   return work;
 }
 
-// Producer warpgroup: one thread streams each kept tile's K-slices of A and B. In a cluster, the CTAs
-// sharing an A (or B) tile each load their part of it, multicast into all of them (the 128-byte swizzle
-// repeats every 8 rows, so a part lands exactly where the whole tile's load would put it); a stage is
-// refilled once the consumers of every CTA the loads land in have released it (its empty barrier counts
-// them all). TMA zero-fills rows past the end of A or B; a box wholly past the end is replaced by rows 0
-// (those results are never stored).
-template <Epilogue kMode, int kCluster, int kTileM, int kTileN>
+// Producer warpgroup: one thread streams each kept tile's K-slices of A and B. In a cluster, a stage is
+// refilled once the consumers of both CTAs have released it (its empty barrier counts both), and this
+// CTA's half of the A slice goes to both (the 128-byte swizzle repeats every 8 rows, so a half lands
+// exactly where the whole tile's load would put it). TMA zero-fills rows past the end of A or B; a box
+// wholly past the end is replaced by rows 0 (those results are never stored).
+template <Epilogue kMode, int kCluster, int kTileM>
 __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map, const Smem& sm,
-                                        const BlockFilter& filter, int k_steps, int rows, int cols,
-                                        const TileWalk<kCluster>& walk) {
-  using S = Schedule<kTileM, kTileN>;
-  using C = ClusterShape<kCluster>;
-  const uint16_t a_mask = walk.a_sharers(), b_mask = walk.b_sharers();
+                                        const BlockFilter& filter, int k_steps, int rows, const TileWalk<kCluster>& walk) {
+  using S = Schedule<kTileM>;
   ptx::setmaxnreg_dec<kProducerRegs>();
   if (threadIdx.x != 0) return;
   ptx::prefetch_tensor_map(a_map);
@@ -518,54 +467,40 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
       ptx::mbarrier_wait(&sm.empty[stage], ((it / S::kStages) & 1) ^ 1);
       ptx::mbarrier_arrive_expect_tx(&sm.full[stage], S::kStageBytes);
       uint8_t* dst = sm.stages + stage * S::kStageBytes;
-      const int a_row = pm * kTileM + walk.rn * (kTileM / C::kN);  // this CTA's part of the A tile
-      uint8_t* a_dst = dst + walk.rn * (S::kATileBytes / C::kN);
-      if constexpr (C::kN == 1) {
-        ptx::tma_load_2d(a_dst, a_map, &sm.full[stage], ks * kBlockK, a_row < rows ? a_row : 0);
+      if constexpr (kCluster == 1) {
+        ptx::tma_load_2d(dst, a_map, &sm.full[stage], ks * kBlockK, pm * kTileM);
       } else {
-        ptx::tma_load_2d_multicast(a_dst, a_map, &sm.full[stage], ks * kBlockK, a_row < rows ? a_row : 0, a_mask);
+        const int a_row = pm * kTileM + walk.rank * (kTileM / kCluster);
+        ptx::tma_load_2d_multicast(dst + walk.rank * (S::kATileBytes / kCluster), a_map, &sm.full[stage],
+                                   ks * kBlockK, a_row < rows ? a_row : 0, (1u << kCluster) - 1u);
       }
-      const int b_row = pn * kTileN + walk.rm * (kTileN / C::kM);  // and of the B tile
-      uint8_t* b_dst = dst + S::kATileBytes + walk.rm * (S::kBTileBytes / C::kM);
-      if constexpr (C::kM == 1) {
-        ptx::tma_load_2d(b_dst, b_map, &sm.full[stage], ks * kBlockK, b_row < cols ? b_row : 0);
-      } else {
-        ptx::tma_load_2d_multicast(b_dst, b_map, &sm.full[stage], ks * kBlockK, b_row < cols ? b_row : 0, b_mask);
-      }
+      ptx::tma_load_2d(dst + S::kATileBytes, b_map, &sm.full[stage], ks * kBlockK, walk.real(pn) ? pn * kBlockN : 0);
     }
   }
 }
 
-// A consumer warp is done with a ring stage (in a cluster, the producers of the CTAs sharing this one's A
-// or B tile also wait for it: they multicast into this CTA's copy of the stage).
+// A consumer warp is done with a ring stage (in a cluster, the peer's producer also waits for it: it
+// multicasts into this CTA's copy of the stage).
 template <int kCluster>
-__device__ __forceinline__ void release_stage(const Smem& sm, uint32_t stage, const TileWalk<kCluster>& walk) {
-  using C = ClusterShape<kCluster>;
+__device__ __forceinline__ void release_stage(const Smem& sm, uint32_t stage, int rank) {
   ptx::mbarrier_arrive(&sm.empty[stage]);
-#pragma unroll
-  for (int n = 0; n < C::kN; ++n)
-    if (n != walk.rn) ptx::mbarrier_arrive_cluster(&sm.empty[stage], static_cast<uint32_t>(n * C::kM + walk.rm));
-#pragma unroll
-  for (int m = 0; m < C::kM; ++m)
-    if (m != walk.rm) ptx::mbarrier_arrive_cluster(&sm.empty[stage], static_cast<uint32_t>(walk.rn * C::kM + m));
+  if constexpr (kCluster == 2) ptx::mbarrier_arrive_cluster(&sm.empty[stage], static_cast<uint32_t>(rank ^ 1));
 }
 
 // Consumer warpgroups, mainloop then epilogue per tile (see the file comment). Ping-pong: the consumers
-// take alternate kept tiles, all 128 rows each. Cooperative: both take every tile, half its rows each.
-template <typename T, Epilogue kMode, int kCluster, int kTileM, int kTileN>
+// take alternate kept tiles, all 128 rows each. Cooperative: both take every tile, 128 rows each.
+template <typename T, Epilogue kMode, int kCluster, int kTileM>
 __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm, const BlockFilter& filter,
                                         int k_steps, const TileWalk<kCluster>& walk) {
-  using S = Schedule<kTileM, kTileN>;
+  using S = Schedule<kTileM>;
   ptx::setmaxnreg_inc<kConsumerRegs>();
   const int consumer = static_cast<int>(threadIdx.x) / 128 - 1;
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
   // This consumer's rows within a tile, and their offset in the stage's A slice (128 bytes per row).
-  const int tile_row0 = S::kCoop ? consumer * S::kConsumerRows : 0;
-  // Two 64-float accumulator chains. Wide: columns 0-127 and 128-255 of the consumer's 64 rows (one
-  // m64n256 chain); else rows 0-63 and 64-127 of its 128 rows, the same 128 columns.
-  float acc0[64], acc1[64];
+  const int tile_row0 = S::kCoop ? consumer * kBlockM : 0;
+  float acc_top[64], acc_bottom[64];  // rows 0-63 and 64-127 of this consumer's rows
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc0[i] = acc1[i] = 0.f;
+  for (int i = 0; i < 64; ++i) acc_top[i] = acc_bottom[i] = 0.f;
 
   // Every role applies the same filter, so the k-th tile kept is the same for all (ping-pong: consumer
   // k % 2 computes it; at ring position k * k_steps in both schedules).
@@ -580,8 +515,7 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
       // Tile j waits until the other consumer has all of tile j - 1 (its ((j - 1) / 2)-th turn).
       if (j > 0) ptx::mbarrier_wait(&sm.turn[consumer], ((j - 1) / 2) & 1);
     }
-    // This consumer's decision block.
-    const int block = pm * S::kBlocksPerTile + (S::kBlocksPerTile > 1 ? consumer : 0);
+    const int block = pm * S::kBlocksPerTile + (S::kCoop ? consumer : 0);  // this consumer's decision block
     const int first_row = pm * kTileM + tile_row0;
     uint32_t it = static_cast<uint32_t>(j) * k_steps;
     if constexpr (S::kCoop) {
@@ -595,16 +529,13 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
         for (int ks = 0; ks < k_steps; ++ks, ++it) {
           const uint32_t stage = it % S::kStages;
           ptx::mbarrier_wait(&sm.full[stage], (it / S::kStages) & 1);
-          if (lane == 0) release_stage<kCluster>(sm, stage, walk);
+          if (lane == 0) release_stage<kCluster>(sm, stage, walk.rank);
         }
         continue;
       }
     }
     if constexpr (kMode == Epilogue::kGateTimesUp) {
-      // One (row, TwELL tile) per thread: the wide tile's 64 rows by its two TwELL tiles.
-      const int tile = pn * S::kTwellTiles + t / S::kConsumerRows;
-      if (walk.real(pm, pn) && t < S::kConsumerRows * S::kTwellTiles && tile < args.n_tiles_n)
-        prefetch_gate(first_row + t % S::kConsumerRows, tile, args);
+      if (walk.real(pn)) prefetch_gate(first_row, pn, t, args);
     }
     uint32_t prev_stage = 0;
     for (int ks = 0; ks < k_steps; ++ks, ++it) {
@@ -613,77 +544,69 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
       const uint8_t* a = sm.stages + stage * S::kStageBytes;
       const uint64_t desc_a = ptx::sw128_kmajor_desc(a + tile_row0 * 128);
       const uint64_t desc_b = ptx::sw128_kmajor_desc(a + S::kATileBytes);
-      fence_operands(acc0);
-      fence_operands(acc1);
+      fence_operands(acc_top);
+      fence_operands(acc_bottom);
       ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk) {
         const int scale_d = (ks | kk) != 0;
-        // +32 bytes per 16-element K step; a second 64-row chain starts 64 rows (8 KB) further.
-        if constexpr (S::kWide) {
-          ptx::wgmma_m64n256k16<Dtype16<T>::kBF16>(acc0, acc1, desc_a + 2 * kk, desc_b + 2 * kk, scale_d);
-        } else {
-          ptx::wgmma_m64n128k16<Dtype16<T>::kBF16>(acc0, desc_a + 2 * kk, desc_b + 2 * kk, scale_d);
-          ptx::wgmma_m64n128k16<Dtype16<T>::kBF16>(acc1, desc_a + 512 + 2 * kk, desc_b + 2 * kk, scale_d);
-        }
+        // +32 bytes per 16-element K step; the bottom half starts 64 rows (8 KB) further.
+        ptx::wgmma_m64n128k16<Dtype16<T>::kBF16>(acc_top, desc_a + 2 * kk, desc_b + 2 * kk, scale_d);
+        ptx::wgmma_m64n128k16<Dtype16<T>::kBF16>(acc_bottom, desc_a + 512 + 2 * kk, desc_b + 2 * kk, scale_d);
       }
       ptx::wgmma_commit();
       if constexpr (!S::kCoop) {
         if (ks == k_steps - 1 && lane == 0) ptx::mbarrier_arrive(&sm.turn[1 - consumer]);
       }
-      fence_operands(acc0);
-      fence_operands(acc1);
+      fence_operands(acc_top);
+      fence_operands(acc_bottom);
       ptx::wgmma_wait<1>();  // the previous slice's MMAs are done: its stage can be refilled
-      if (ks > 0 && lane == 0) release_stage<kCluster>(sm, prev_stage, walk);
+      if (ks > 0 && lane == 0) release_stage<kCluster>(sm, prev_stage, walk.rank);
       prev_stage = stage;
     }
     ptx::wgmma_wait<0>();
-    fence_operands(acc0);
-    fence_operands(acc1);
-    if (lane == 0) release_stage<kCluster>(sm, prev_stage, walk);
-    if (!walk.real(pm, pn)) continue;
+    fence_operands(acc_top);
+    fence_operands(acc_bottom);
+    if (lane == 0) release_stage<kCluster>(sm, prev_stage, walk.rank);
+    if (!walk.real(pn)) continue;
 
     const int row0 = first_row + warp * 16 + lane / 4;
     int nnz = 0, overflowed = 0;
 #pragma unroll
     for (int chain = 0; chain < 2; ++chain) {
-      const int chain_row0 = S::kWide ? row0 : row0 + 64 * chain;
-      const int tile = pn * S::kTwellTiles + (S::kWide ? chain : 0);
-      if (S::kWide && tile >= args.n_tiles_n) break;  // the wide tile's right half lies past N
       // Gate times up: the gate of both of the chain's rows for this thread in one round trip, before
       // anything is stored.
       GateHead heads[2];
       if constexpr (kMode == Epilogue::kGateTimesUp) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          const int row = chain_row0 + 8 * i;
-          if (row < args.M) load_gate_head(row, tile, args, heads[i]);
+          const int row = row0 + 64 * chain + 8 * i;
+          if (row < args.M) load_gate_head(row, pn, args, heads[i]);
         }
       }
-      finish_chunk<T, kMode>(chain == 0 ? acc0 : acc1, chain_row0, tile, lane, args, heads, nnz, overflowed);
+      finish_chunk<T, kMode>(chain == 0 ? acc_top : acc_bottom, row0 + 64 * chain, pn, lane, args, heads, nnz,
+                             overflowed);
     }
     if constexpr (kMode == Epilogue::kTwellPack) add_block_counts(nnz, overflowed, block, lane, args);
   }
 }
 
-// See the file comment. n_tiles_n counts the GEMM's kTileN-wide column tiles (args.n_tiles_n the
-// 128-wide TwELL tiles).
-template <typename T, Epilogue kMode, int kCluster, int kTileM, int kTileN>
+// See the file comment.
+template <typename T, Epilogue kMode, int kCluster, int kTileM>
 __global__ void __launch_bounds__(kThreads, 1) twell_gemm_kernel(
     const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map, EpilogueArgs args,
     int K, int n_tiles_m, int n_tiles_n, int group_m) {
-  static_assert(kCluster != 4 || kMode == Epilogue::kTwellPack,
-                "quads only for the gate: the dense-path filter would keep a quad's two row blocks apart");
+  static_assert(kCluster == 1 || kCluster == 2, "single CTAs or pairs");
   extern __shared__ uint8_t smem_raw[];
   Smem sm;
   BlockFilter filter;
-  if (!setup<kMode, kCluster, kTileM, kTileN>(smem_raw, args, sm, filter)) return;
+  if (!setup<kMode, kCluster, kTileM>(smem_raw, args, sm, filter)) return;
   const int k_steps = (K + kBlockK - 1) / kBlockK;
   const TileWalk<kCluster> walk(n_tiles_m, n_tiles_n, group_m);
   if (threadIdx.x < 128) {
-    produce<kMode, kCluster, kTileM, kTileN>(&a_map, &b_map, sm, filter, k_steps, args.M, args.N, walk);
+    produce<kMode, kCluster, kTileM>(&a_map, &b_map, sm, filter, k_steps, args.M, walk);
   } else {
-    consume<T, kMode, kCluster, kTileM, kTileN>(args, sm, filter, k_steps, walk);
+    consume<T, kMode, kCluster, kTileM>(args, sm, filter, k_steps, walk);
   }
   // The peer may still multicast into this CTA's stages or arrive on its barriers: leave together.
   if constexpr (kCluster > 1) ptx::cluster_sync();
@@ -716,20 +639,17 @@ CUtensorMap operand_map(const at::Tensor& t, int box_rows) {
   return map;
 }
 
-// Work units of a grid of clusters (see ClusterShape): blocks of cluster_m x cluster_n tiles.
+// Work units of a grid of kCluster-CTA clusters: tile rows times clusters of column tiles.
 int64_t cluster_units(int64_t n_tiles_m, int64_t n_tiles_n, int64_t cluster) {
-  const int64_t cluster_m = cluster == 4 ? 2 : 1, cluster_n = cluster / cluster_m;
-  return ((n_tiles_m + cluster_m - 1) / cluster_m) * ((n_tiles_n + cluster_n - 1) / cluster_n);
+  return n_tiles_m * ((n_tiles_n + cluster - 1) / cluster);
 }
 
-template <typename T, Epilogue kMode, int kCluster, int kTileM, int kTileN>
+template <typename T, Epilogue kMode, int kCluster, int kTileM>
 void launch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, int ctas) {
-  auto kernel = twell_gemm_kernel<T, kMode, kCluster, kTileM, kTileN>;
-  using C = ClusterShape<kCluster>;
-  const CUtensorMap a_map = operand_map(a, kTileM / C::kN), b_map = operand_map(b, kTileN / C::kM);
+  auto kernel = twell_gemm_kernel<T, kMode, kCluster, kTileM>;
+  const CUtensorMap a_map = operand_map(a, kTileM / kCluster), b_map = operand_map(b, kBlockN);
   const int n_tiles_m = static_cast<int>((a.size(0) + kTileM - 1) / kTileM);
-  const int n_tiles_n = (args.N + kTileN - 1) / kTileN;
-  const int64_t units = cluster_units(n_tiles_m, n_tiles_n, kCluster);
+  const int64_t units = cluster_units(n_tiles_m, args.n_tiles_n, kCluster);
   constexpr int kGroupM = 8;
   int clusters = std::max(ctas / kCluster, 1);
   KernelLaunch kernel_launch(kernel, dim3(static_cast<unsigned>(clusters * kCluster)), kThreads, kSmemBytes, kCluster);
@@ -741,60 +661,43 @@ void launch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, 
   }
   clusters = static_cast<int>(std::min<int64_t>(clusters, units));
   kernel_launch.set_grid_x(static_cast<unsigned>(clusters * kCluster));
-  kernel_launch.run(kernel, a_map, b_map, args, static_cast<int>(a.size(1)), n_tiles_m, n_tiles_n, kGroupM);
+  kernel_launch.run(kernel, a_map, b_map, args, static_cast<int>(a.size(1)), n_tiles_m, args.n_tiles_n, kGroupM);
 }
 
-template <Epilogue kMode, int kCluster, int kTileM, int kTileN>
+template <Epilogue kMode, int kCluster, int kTileM>
 void launch_dtype(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, int64_t ctas) {
   if (a.scalar_type() == at::kBFloat16) {
-    launch<__nv_bfloat16, kMode, kCluster, kTileM, kTileN>(a, b, args, static_cast<int>(ctas));
+    launch<__nv_bfloat16, kMode, kCluster, kTileM>(a, b, args, static_cast<int>(ctas));
   } else {
-    launch<__half, kMode, kCluster, kTileM, kTileN>(a, b, args, static_cast<int>(ctas));
+    launch<__half, kMode, kCluster, kTileM>(a, b, args, static_cast<int>(ctas));
   }
 }
 
-// Output tiles of a schedule.
-int64_t output_tiles(int64_t M, int64_t N, int64_t tile_m, int64_t tile_n) {
-  return ((M + tile_m - 1) / tile_m) * ((N + tile_n - 1) / tile_n);
-}
-
-template <Epilogue kMode, int kTileM, int kTileN>
+template <Epilogue kMode, int kTileM>
 void launch_cluster(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, int64_t ctas, int64_t cluster) {
-  const int64_t n_tiles_m = (a.size(0) + kTileM - 1) / kTileM, n_tiles_n = (args.N + kTileN - 1) / kTileN;
-  if constexpr (kMode == Epilogue::kTwellPack) {
-    if (cluster == 4 && cluster_units(n_tiles_m, n_tiles_n, 4) >= ctas / 4) {
-      launch_dtype<kMode, 4, kTileM, kTileN>(a, b, args, ctas);
-      return;
-    }
-  }
-  if (cluster >= 2 && cluster_units(n_tiles_m, n_tiles_n, 2) >= ctas / 2) {
-    launch_dtype<kMode, 2, kTileM, kTileN>(a, b, args, ctas);
+  const int64_t n_tiles_m = (a.size(0) + kTileM - 1) / kTileM;
+  if (cluster == 2 && cluster_units(n_tiles_m, args.n_tiles_n, 2) >= ctas / 2) {
+    launch_dtype<kMode, 2, kTileM>(a, b, args, ctas);
   } else {
-    launch_dtype<kMode, 1, kTileM, kTileN>(a, b, args, ctas);
+    launch_dtype<kMode, 1, kTileM>(a, b, args, ctas);
   }
 }
 
 // cluster: 2 runs the GEMM in pairs of CTAs sharing A tiles (see the file comment) when there are enough
-// tile pairs to keep every pair busy, else single CTAs; 1 always single CTAs; 4 runs the gate in quads
-// of 2 x 2 tiles sharing A and B tiles where there are enough quads (else as 2; the dense-path GEMMs
-// run as 2). (Clusters of 4 along N were tried: correct, but the 2B gate took 7.7 ms against 4.8 ms
-// for pairs on an H200.)
-// (tile_m, tile_n): (256, 128) and (128, 256) run their cooperative schedules when their tiles fill the
-// grid, else ping-pong; (128, 128) always ping-pong.
+// tile pairs to keep every pair busy, else single CTAs; 1 always single CTAs. (Clusters of 4 along N
+// were tried: correct, but the 2B gate took 7.7 ms against 4.8 ms for pairs on an H200.)
+// tile_m: 256 runs the cooperative schedule when its tiles fill the grid, else ping-pong; 128 always
+// ping-pong.
 template <Epilogue kMode>
 void dispatch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, int64_t ctas, int64_t cluster,
-              int64_t tile_m, int64_t tile_n) {
-  TORCH_CHECK(cluster == 1 || cluster == 2 || cluster == 4, "twell: cluster must be 1, 2 or 4");
-  TORCH_CHECK((tile_m == 128 || tile_m == 256) && (tile_n == 128 || tile_n == 256) && tile_m * tile_n <= 256 * 128,
-              "twell: (tile_m, tile_n) must be (128, 128), (256, 128) or (128, 256)");
+              int64_t tile_m) {
+  TORCH_CHECK(cluster == 1 || cluster == 2, "twell: cluster must be 1 or 2");
+  TORCH_CHECK(tile_m == 128 || tile_m == 256, "twell: tile_m must be 128 or 256");
   const c10::cuda::CUDAGuard guard(a.device());
-  const int64_t M = a.size(0);
-  if (tile_n == 256 && output_tiles(M, args.N, 128, 256) >= ctas) {
-    launch_cluster<kMode, 128, 256>(a, b, args, ctas, cluster);
-  } else if (tile_m == 256 && output_tiles(M, args.N, 256, 128) >= ctas) {
-    launch_cluster<kMode, 256, 128>(a, b, args, ctas, cluster);
+  if (tile_m == 256 && (a.size(0) + 255) / 256 * args.n_tiles_n >= ctas) {
+    launch_cluster<kMode, 256>(a, b, args, ctas, cluster);
   } else {
-    launch_cluster<kMode, 128, 128>(a, b, args, ctas, cluster);
+    launch_cluster<kMode, 128>(a, b, args, ctas, cluster);
   }
 }
 
@@ -822,7 +725,7 @@ void check_operands(const at::Tensor& a, const at::Tensor& b, const c10::optiona
 // 2 for pairs of CTAs sharing A tiles where the shape allows, 1 for single CTAs.
 void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                      at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz, int64_t ctas,
-                     int64_t cluster, int64_t tile_m, int64_t tile_n) {
+                     int64_t cluster, int64_t tile_m) {
   check_operands(x, w, bias, dense);
   const int64_t M = x.size(0), F = w.size(0);
   const int64_t n_tiles_n = (F + kBlockN - 1) / kBlockN;
@@ -843,7 +746,7 @@ void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::option
   args.N = static_cast<int>(F);
   args.n_tiles_n = static_cast<int>(n_tiles_n);
   args.cap = static_cast<int>(packed.size(2));
-  dispatch<Epilogue::kTwellPack>(x, w, args, ctas, cluster, tile_m, tile_n);
+  dispatch<Epilogue::kTwellPack>(x, w, args, ctas, cluster, tile_m);
 }
 
 // Dense path, rows of dense blocks only: c = a b^T (+ bias); or, given the gate's TwELL output
@@ -852,7 +755,7 @@ void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::option
 void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
                       const at::Tensor& block_nnz, const c10::optional<at::Tensor>& gate_packed,
                       const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
-                      int64_t thr_heavy, int64_t ctas, int64_t cluster, int64_t tile_m, int64_t tile_n) {
+                      int64_t thr_heavy, int64_t ctas, int64_t cluster, int64_t tile_m) {
   check_operands(a, b, bias, c);
   const int64_t M = a.size(0), N = b.size(0);
   const int64_t n_tiles_n = (N + kBlockN - 1) / kBlockN;
@@ -881,9 +784,9 @@ void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optio
     args.counts = gate_counts->data_ptr<int>();
     args.cap = static_cast<int>(gate_packed->size(2));
     args.slots_vec8 = args.cap >= 8 && args.cap % 4 == 0 && reinterpret_cast<uintptr_t>(args.packed) % 16 == 0;
-    dispatch<Epilogue::kGateTimesUp>(a, b, args, ctas, cluster, tile_m, tile_n);
+    dispatch<Epilogue::kGateTimesUp>(a, b, args, ctas, cluster, tile_m);
   } else {
-    dispatch<Epilogue::kStore>(a, b, args, ctas, cluster, tile_m, tile_n);
+    dispatch<Epilogue::kStore>(a, b, args, ctas, cluster, tile_m);
   }
 }
 

@@ -59,8 +59,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   if (plan.decode_gate) {
     decode_gate_twell(x, w_act, b_act, packed, counts, dense, block_nnz, plan.gemv_cluster);
   } else {
-    gate_twell_gemm(x, w_act, b_act, packed, counts, dense, block_nnz, plan.ctas, plan.gemm_cluster, plan.gemm_tile_m,
-                    plan.gemm_tile_n);
+    gate_twell_gemm(x, w_act, b_act, packed, counts, dense, block_nnz, plan.ctas, plan.gemm_cluster, plan.gemm_tile_m);
   }
   const c10::optional<at::Tensor> x_if_gated = gated ? c10::optional<at::Tensor>(x) : c10::nullopt;
   sparse_mlp_out(x_if_gated, packed, counts, dense, block_nnz, w_up, b_up, w_down_t, b_down, out, plan.tile_n,
@@ -74,7 +73,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
                       plan.gemv_cluster);
   } else if (gated) {
     dense_block_gemm(x, *w_up, b_up, dense, block_nnz, packed, counts, plan.thr_full, plan.thr_last, plan.thr_heavy,
-                     plan.ctas, plan.gemm_cluster, plan.gemm_tile_m, plan.gemm_tile_n);
+                     plan.ctas, plan.gemm_cluster, plan.gemm_tile_m);
   } else {
     rebuild_dense_gate(packed, counts, dense, block_nnz, plan.thr_full, plan.thr_last, plan.thr_heavy);
   }
@@ -83,7 +82,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
                       plan.thr_heavy, plan.gemv_cluster);
   } else {
     dense_block_gemm(dense, w_down, b_down, out, block_nnz, c10::nullopt, c10::nullopt, plan.thr_full, plan.thr_last,
-                     plan.thr_heavy, plan.ctas, plan.gemm_cluster, plan.down_gemm_tile_m, plan.down_gemm_tile_n);
+                     plan.thr_heavy, plan.ctas, plan.gemm_cluster, plan.down_gemm_tile_m);
   }
   return std::make_tuple(out, counts, block_nnz);
 }

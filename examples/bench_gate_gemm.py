@@ -1,6 +1,5 @@
 """The gate GEMM alone: its TwELL-pack epilogue against a plain store epilogue on the same mainloop, in
-each schedule (pairs or single CTAs x tile rows x tile columns), against cuBLAS's dense gate GEMM;
-same run, alternating rounds (the GPU's clock moves).
+each schedule, against cuBLAS's dense gate GEMM; same run, alternating rounds (the GPU's clock moves).
 
     python examples/bench_gate_gemm.py [--m 131072 16384] [--rounds 2]
 
@@ -19,8 +18,7 @@ import twell_compile  # noqa: F401
 from twell_compile.kernels import build
 from twell_compile.testing import cuda_time_ms, make_problem
 
-# (CTAs per cluster, tile rows, tile columns): ping-pong, cooperative, cooperative wide (csrc/twell_gemm.cu)
-SCHEDULES = ((2, 128, 128), (4, 128, 128), (1, 128, 128), (2, 256, 128), (4, 256, 128), (2, 128, 256))
+SCHEDULES = ((2, 128), (1, 128), (2, 256))  # (CTAs per cluster, tile rows)
 
 
 def cublas_kernel_names(x: torch.Tensor, w: torch.Tensor) -> list[str]:
@@ -52,20 +50,19 @@ def main() -> None:
         block_nnz = torch.zeros(2 * n_blocks, dtype=torch.int32, device="cuda")
         all_dense = torch.full((2 * n_blocks,), 1 << 30, dtype=torch.int32, device="cuda")
 
-        def pack(cluster, tile_m, tile_n):
+        def pack(cluster, tile_m):
             block_nnz.zero_()
-            ext.gate_twell_gemm(x, w, None, packed, counts, dense, block_nnz, sms, cluster, tile_m, tile_n)
+            ext.gate_twell_gemm(x, w, None, packed, counts, dense, block_nnz, sms, cluster, tile_m)
 
-        def store(cluster, tile_m, tile_n):
-            ext.dense_block_gemm(x, w, None, dense, all_dense, None, None, 0, 0, 0, sms, cluster, tile_m, tile_n)
+        def store(cluster, tile_m):
+            ext.dense_block_gemm(x, w, None, dense, all_dense, None, None, 0, 0, 0, sms, cluster, tile_m)
 
         print(f"M={m} cuBLAS runs: {', '.join(cublas_kernel_names(x, w))}")
         for r in range(args.rounds):
             times = {"cuBLAS": cuda_time_ms(lambda: F.linear(x, w), 10)}
-            for cluster, tile_m, tile_n in SCHEDULES:
-                name = f"{cluster}x{tile_m}x{tile_n}"
-                times[f"pack {name}"] = cuda_time_ms(lambda: pack(cluster, tile_m, tile_n), 10)
-                times[f"store {name}"] = cuda_time_ms(lambda: store(cluster, tile_m, tile_n), 10)
+            for cluster, tile_m in SCHEDULES:
+                times[f"pack {cluster}x{tile_m}"] = cuda_time_ms(lambda: pack(cluster, tile_m), 10)
+                times[f"store {cluster}x{tile_m}"] = cuda_time_ms(lambda: store(cluster, tile_m), 10)
             print(f"M={m} round {r}: " + "  ".join(f"{name} {t:.3f}" for name, t in times.items()))
 
 

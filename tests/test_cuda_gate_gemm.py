@@ -19,18 +19,13 @@ TILE = 128
 CAP = 8
 
 
-# (cluster, tile_m, tile_n, ctas): ping-pong in single CTAs and in pairs on the whole GPU; the
-# cooperative schedules (256 x 128 and the wide 128 x 256) on a grid of 2 CTAs, so that they run (rather
-# than falling back to ping-pong for want of tiles) at every shape, with many tiles per CTA.
-SCHEDULES = {
-    "single": (1, 128, 128, None), "pairs": (2, 128, 128, None),
-    "coop": (1, 256, 128, 2), "coop-pairs": (2, 256, 128, 2),
-    "wide": (1, 128, 256, 2), "wide-pairs": (2, 128, 256, 2),
-    "quads": (4, 128, 128, 4), "coop-quads": (4, 256, 128, 4),
-}
+# (cluster, tile_m, ctas): ping-pong in single CTAs and in pairs on the whole GPU; the cooperative
+# schedule on a grid of 2 CTAs, so that it runs (rather than falling back to ping-pong for want of
+# tiles) at every shape, with many tiles per CTA.
+SCHEDULES = {"single": (1, 128, None), "pairs": (2, 128, None), "coop": (1, 256, 2), "coop-pairs": (2, 256, 2)}
 
 
-def _run_gate(x, w, bias, cap=CAP, cluster=2, tile_m=128, tile_n=128, ctas=None, decode=False):
+def _run_gate(x, w, bias, cap=CAP, cluster=2, tile_m=128, ctas=None, decode=False):
     from twell_compile.kernels import build
 
     m, f = x.shape[0], w.shape[0]
@@ -44,8 +39,7 @@ def _run_gate(x, w, bias, cap=CAP, cluster=2, tile_m=128, tile_n=128, ctas=None,
     if decode:
         build.cuda_extension().decode_gate_twell(x, w, bias, packed, counts, dense, block_nnz)
     else:
-        build.cuda_extension().gate_twell_gemm(x, w, bias, packed, counts, dense, block_nnz, ctas, cluster, tile_m,
-                                               tile_n)
+        build.cuda_extension().gate_twell_gemm(x, w, bias, packed, counts, dense, block_nnz, ctas, cluster, tile_m)
     return packed, counts, dense, block_nnz
 
 
@@ -53,9 +47,8 @@ def _run_gate(x, w, bias, cap=CAP, cluster=2, tile_m=128, tile_n=128, ctas=None,
 @pytest.mark.parametrize("m,k,f,nnz,skew", [
     (300, 264, 1000, 20.0, False),   # tails in M and F, K of 264 (not a multiple of 64)
     (4097, 2048, 5632, 24.0, False),  # the 2B shape, many tiles per CTA (ping-pong and ring wrap-around)
-    (1950, 200, 2600, 24.0, False),   # pairs: 21 column tiles (the last pair is half empty; the last
-                                      # wide tile's right half lies past N), a last row tile of 30 rows
-                                      # (one multicast half wholly past the end)
+    (1950, 200, 2600, 24.0, False),   # pairs: 21 column tiles (the last pair is half empty), a last row
+                                      # tile of 30 rows (one multicast half wholly past the end)
     (1000, 2048, 5632, 600.0, False),  # almost every tile past capacity
     (2048, 2048, 5632, 40.0, True),   # skewed: heavy rows and units
     (129, 8, 130, 20.0, False),       # one K step, one column past a tile
@@ -137,10 +130,9 @@ def test_gate_gemm_rejects_unaligned_rows():
 
 @requires_twell_kernels
 @pytest.mark.parametrize("schedule,message", [
-    (dict(cluster=3), "cluster must be 1, 2 or 4"),
-    (dict(tile_m=64), r"\(tile_m, tile_n\) must be \(128, 128\), \(256, 128\) or \(128, 256\)"),
-    (dict(tile_m=256, tile_n=256), r"\(tile_m, tile_n\) must be"),
-], ids=["cluster", "tile_m", "tile_256x256"])
+    (dict(cluster=3), "cluster must be 1 or 2"),
+    (dict(tile_m=64), "tile_m must be 128 or 256"),
+], ids=["cluster", "tile_m"])
 def test_gate_gemm_rejects_bad_schedule(schedule, message):
     x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)

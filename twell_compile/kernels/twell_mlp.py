@@ -64,24 +64,17 @@ class KernelConfig:
     off, the Triton kernels run everything (for comparison)."""
     gemm_cluster: int = int(os.environ.get("TWELL_GEMM_CLUSTER", "2"))
     """2: the wgmma GEMMs run in 2-CTA clusters that share each x (or h) tile by TMA multicast (half the
-    L2 traffic for it) where there are enough tile pairs; 4: the gate runs in 2 x 2 quads that also share
-    each weight tile (the dense path as 2); 1: single CTAs (for comparison)."""
+    L2 traffic for it) where there are enough tile pairs; 1: single CTAs (for comparison)."""
     gemm_tile_m: int = int(os.environ.get("TWELL_GEMM_TILE_M", "128"))
     """The gate and gate-times-up GEMMs' schedule. 128: ping-pong (128 x 128 tiles, each consumer
     warpgroup's epilogue hidden behind the other's MMAs); 256: cooperative (256 x 128 tiles, both
     consumers on one tile: less L2 traffic per output, but the epilogue is exposed) where its tiles
     fill the GPU. Ping-pong was faster for these two on an H200 (gate 4.7 against 5.0 ms, gate-times-up
     5.0-5.1 against 5.5 ms at the 2B shape)."""
-    gemm_tile_n: int = int(os.environ.get("TWELL_GEMM_TILE_N", "128"))
-    """256 runs the gate and gate-times-up GEMMs on the cooperative wide schedule instead (128 x 256
-    tiles, each consumer warpgroup 64 rows by two 128-wide TwELL tiles with m64n256 MMAs) where its
-    tiles fill the GPU; it takes precedence over gemm_tile_m. The TwELL tile stays 128 wide."""
     down_gemm_tile_m: int = int(os.environ.get("TWELL_DOWN_GEMM_TILE_M", "256"))
     """The dense-path down GEMM's schedule (as gemm_tile_m). Its K is the intermediate size, so its
     mainloop is long beside its epilogue and the cooperative tiles pay (H200, 2B shape: 4.0-4.1 against
     4.4-4.5 ms)."""
-    down_gemm_tile_n: int = int(os.environ.get("TWELL_DOWN_GEMM_TILE_N", "128"))
-    """The dense-path down GEMM's gemm_tile_n."""
     decode_gate_rows: int = int(os.environ.get("TWELL_DECODE_GATE_ROWS", "64"))
     """Calls of at most this many rows (64 at most) run the gate as a split-K GEMV over clusters of CTAs
     (csrc/twell_decode_gemv.cu) instead of the wgmma GEMM, which gives each 128-wide column tile to one
@@ -343,7 +336,6 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     cuda.gemv_cluster = config.decode_gemv_cluster
     cuda.ctas, cuda.gemm_cluster = sms, config.gemm_cluster
     cuda.gemm_tile_m, cuda.down_gemm_tile_m = config.gemm_tile_m, config.down_gemm_tile_m
-    cuda.gemm_tile_n, cuda.down_gemm_tile_n = config.gemm_tile_n, config.down_gemm_tile_n
     cuda.sparse_splits, cuda.sparse_threads, cuda.sparse_cluster = launch.splits, launch.threads, launch.cluster
     cuda.thr_full, cuda.thr_last, cuda.thr_heavy = thresholds
     cuda.poison, cuda.poison_word, cuda.poison_count = config.poison_buffers, _POISON_WORD, _POISON_COUNT
@@ -427,7 +419,7 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
                               config.decode_gemv_cluster)
     elif cuda_gate:
         ext.gate_twell_gemm(x2, act_weight, act_bias, packed, counts, dense, block_nnz, sms, config.gemm_cluster,
-                            config.gemm_tile_m, config.gemm_tile_n)
+                            config.gemm_tile_m)
     else:
         _triton_gate(plan, x2, act_weight, act_bias, packed, counts, dense, block_nnz, n_tiles)
 
@@ -453,7 +445,7 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
                                   config.decode_gemv_cluster)
         elif gated:
             ext.dense_block_gemm(x2, up_weight, up_bias, dense, block_nnz, packed, counts, *thresholds, sms,
-                                 config.gemm_cluster, config.gemm_tile_m, config.gemm_tile_n)
+                                 config.gemm_cluster, config.gemm_tile_m)
         else:
             ext.rebuild_dense_gate(packed, counts, dense, block_nnz, *thresholds)
         if decode:
@@ -461,7 +453,7 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
                                   config.decode_gemv_cluster)
         else:
             ext.dense_block_gemm(dense, down_weight, down_bias, out, block_nnz, None, None, *thresholds, sms,
-                                 config.gemm_cluster, config.down_gemm_tile_m, config.down_gemm_tile_n)
+                                 config.gemm_cluster, config.down_gemm_tile_m)
     else:
         _triton_dense_path(plan, gated, x2, up_weight, up_bias, down_weight, down_bias, packed, counts, dense,
                            block_nnz, out, thresholds)
