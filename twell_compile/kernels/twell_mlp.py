@@ -303,6 +303,12 @@ def _triton_dense_path(plan: GatePlan, gated: bool, x2: Tensor, up_weight: Tenso
     )
 
 
+def _cuda_tiles(plan: GatePlan) -> bool:
+    """Whether the CUDA kernels can take a gate of this plan: their TwELL tile is 128 x 128 (other plans
+    come from TWELL_GATE_PLAN, or are the Triton decode tiles used without the wgmma GEMM)."""
+    return (plan.block_m, plan.tile_n) == (128, 128)
+
+
 def _decode_gate(m: int) -> bool:
     """Where the gate GEMM ran as a CUDA kernel: whether it is the split-K GEMV (decode sizes)."""
     return m <= min(config.decode_gate_rows, _DECODE_ROWS)
@@ -328,7 +334,7 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     sms = _num_sms(device)
     launch = sparse_launch(m, d, sms, d % 8 == 0)  # aligned rows: 16-byte rows everywhere but maybe out's
     thresholds = _dense_thresholds(m, f, launch.entry_split)
-    if not config.wgmma_kernels or (plan.block_m, plan.tile_n) != (128, 128):
+    if not (config.wgmma_kernels and _cuda_tiles(plan)):
         return CallPlan(thresholds, plan.cap, None)
     cuda = build.cuda_extension().MlpPlan()
     cuda.cap, cuda.tile_n = plan.cap, plan.tile_n
@@ -413,7 +419,7 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
 
     ext = build.cuda_extension()
     sms = _num_sms(x2.device)
-    cuda_gate = wgmma_ok and (plan.block_m, plan.tile_n) == (128, 128)
+    cuda_gate = wgmma_ok and _cuda_tiles(plan)
     if cuda_gate and _decode_gate(m):
         ext.decode_gate_twell(x2, act_weight, act_bias, packed, counts, dense, block_nnz,
                               config.decode_gemv_cluster)
