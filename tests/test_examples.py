@@ -42,3 +42,11 @@ def test_bench_rewrite_cost(device):
     )
     assert "rewritten blocks: 3, left alone: 0" in out
     assert "run_passes: median" in out
+
+
+def test_bench_host_time_on_cpu():
+    out = run_example("bench_host_time.py", "--cpu", "--calls", "50", "--rounds", "1")
+    for op in ("gated_relu_mlp", "relu_mlp"):
+        for mode in ("grad", "no_grad", "inference_mode"):
+            assert any(line.startswith(op) and f" {mode} " in line and "dispatch + checks" in line
+                       for line in out.splitlines()), (op, mode, out)

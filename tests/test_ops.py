@@ -7,6 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import twell_compile  # noqa: F401  (registers torch.ops.twell.*)
+from twell_compile import ops, validation
 from helpers import eager_gated, eager_relu
 
 HIDDEN, INTER = 8, 16
@@ -85,6 +86,42 @@ def test_schema_is_functional(name):
     assert not schema.is_mutable
     assert all(arg.alias_info is None for arg in schema.arguments)
     assert len(schema.returns) == 1 and schema.returns[0].alias_info is None
+
+
+@op_names
+def test_kernels_registered_for_every_dispatch_key(name):
+    op, _, _ = OPS[name]
+    for key in ("CompositeExplicitAutograd", "CUDA", "Meta", "Autograd", "AutocastCPU", "AutocastCUDA"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key), key
+    assert torch.Tag.pt2_compliant_tag in op.tags
+
+
+def test_cuda_kernels_hand_their_arguments_to_the_twell_path(monkeypatch):
+    # The CUDA registrations run on the GPU only; here they run on CPU tensors, with the kernels
+    # reported available and the TwELL entry replaced, to pin which argument goes where.
+    from twell_compile.kernels import build, twell_mlp
+
+    calls = []
+    monkeypatch.setattr(build, "kernels_available", lambda device: True)
+    monkeypatch.setattr(twell_mlp, "twell_mlp", lambda *args: calls.append(args) or args[0])
+    x, gate_w, up_w, down_w, gate_b, up_b, down_b = gated_args(2, torch.bfloat16, True)
+    ops._gated_cuda(x, gate_w, up_w, down_w, gate_b, up_b, down_b)
+    x2, up_w2, down_w2, up_b2, down_b2 = relu_args(2, torch.float16, True)
+    ops._relu_cuda(x2, up_w2, down_w2, up_b2, down_b2)
+    expected = [(x, gate_w, gate_b, up_w, up_b, down_w, down_b), (x2, up_w2, up_b2, None, None, down_w2, down_b2)]
+    assert len(calls) == 2
+    for call, want in zip(calls, expected):
+        assert all(a is b for a, b in zip(call, want, strict=True))
+
+
+@op_names
+def test_cuda_kernels_take_the_reference_for_float32(name, monkeypatch):
+    from twell_compile.kernels import build
+
+    monkeypatch.setattr(build, "kernels_available", lambda device: True)
+    _, make_args, eager = OPS[name]
+    args = make_args(3, torch.float32, True)
+    assert torch.equal({"gated": ops._gated_cuda, "relu": ops._relu_cuda}[name](*args), eager(*args))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -406,3 +443,35 @@ def test_fake_kernel_shape(name):
     with FakeTensorMode() as mode:
         out = op(*(mode.from_tensor(a) for a in args))
     assert out.shape == (2, 11, HIDDEN) and out.dtype == torch.bfloat16
+
+
+# The device kernels (real tensors, eager) check with one pass of plain comparisons and run the full
+# check above, which names the problem, only when that pass fails: it must refuse every bad call the full
+# check refuses, and accept the good ones (else every call would pay for the slow check).
+FAST_OK = {"gated": validation._gated_ok, "relu": validation._non_gated_ok}
+
+
+@pytest.mark.parametrize("name, corrupt, message", ERROR_CASES)
+def test_fast_check_refuses_every_bad_call(name, corrupt, message):
+    _, make_args, _ = OPS[name]
+    assert not FAST_OK[name](*corrupt(make_args(2, torch.float32, True)))
+
+
+@op_names
+def test_fast_check_refuses_mixed_devices(name):
+    _, make_args, _ = OPS[name]
+    for i in range(1, len(make_args())):
+        args = make_args(2, torch.float32, True)
+        args = _replace(args, i, args[i].to("meta"))
+        assert not FAST_OK[name](*args), i
+        with pytest.raises(ValueError, match=r"is on device meta but x is on cpu"):
+            getattr(validation, {"gated": "check_gated", "relu": "check_non_gated"}[name])(*args)
+
+
+@op_names
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_fast_check_accepts_good_calls(name, dtype, ndim, bias):
+    _, make_args, _ = OPS[name]
+    assert FAST_OK[name](*make_args(ndim, dtype, bias))

@@ -10,6 +10,12 @@ Weights and biases are taken exactly as ``nn.Linear`` stores them, so the FX pas
 own parameters to the op. Every device runs the plain-PyTorch reference (``reference.py``) unless a
 device-specific kernel is registered below; CUDA goes through ``kernels.cuda_*``, the seam where the
 TwELL kernels plug in.
+
+The ops are defined with ``torch.library.Library`` and registered key by key (device kernels, fake
+kernel, ``register_autograd``), as ``torch.library.custom_op`` would register them, but without its
+per-call Python wrapper around the device kernel (keyword handling, an aliasing check of every result):
+at decode sizes an eager call is paced by the host, and that wrapper cost 2-3 us a call on a CPU
+(``examples/bench_host_time.py --cpu``). What it checked is tested instead (fresh outputs, opcheck).
 """
 
 from __future__ import annotations
@@ -18,43 +24,48 @@ import torch
 from torch import Tensor
 
 from . import kernels, reference
-from .validation import check_gated, check_non_gated
+from .validation import check_gated, check_non_gated, fast_check_gated, fast_check_non_gated
 
-# ---------------------------------------------------------------------------------------------------
-# gated: down(relu(gate(x)) * up(x))
-# ---------------------------------------------------------------------------------------------------
+_LIB = torch.library.Library("twell", "DEF")
 
 
-@torch.library.custom_op("twell::gated_relu_mlp", mutates_args=())
-def gated_relu_mlp(
-    x: Tensor,
-    gate_weight: Tensor,
-    up_weight: Tensor,
-    down_weight: Tensor,
-    gate_bias: Tensor | None = None,
-    up_bias: Tensor | None = None,
-    down_bias: Tensor | None = None,
-) -> Tensor:
-    check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-    return kernels.reference_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-
-
-@gated_relu_mlp.register_kernel("cuda")
-def _gated_relu_mlp_cuda(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None):
-    check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-    return kernels.cuda_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-
-
-@gated_relu_mlp.register_fake
-def _gated_relu_mlp_fake(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None):
-    check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-    return x.new_empty((*x.shape[:-1], down_weight.shape[0]))
+def _define(schema: str, reference_kernel, cuda_kernel, fake_kernel, backward, setup_context) -> torch._ops.OpOverload:
+    """Defines ``twell::<schema>`` with a reference kernel for every device, a CUDA kernel, a fake kernel
+    and an autograd formula. The device kernels are hidden from Dynamo (as custom_op hides them), so an
+    eager call inside a compiled region never gets traced into."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+    _LIB.impl(name, torch._disable_dynamo(reference_kernel), "CompositeExplicitAutograd")
+    _LIB.impl(name, torch._disable_dynamo(cuda_kernel), "CUDA")
+    torch.library.register_fake(f"twell::{name}", fake_kernel, lib=_LIB)
+    torch.library.register_autograd(f"twell::{name}", backward, setup_context=setup_context, lib=_LIB)
+    return getattr(torch.ops.twell, name).default
 
 
 def _padded_needs(ctx, n_inputs: int) -> tuple[bool, ...]:
     # needs_input_grad only covers the arguments actually passed; omitted optional biases need none.
     needs = tuple(ctx.needs_input_grad)
     return needs + (False,) * (n_inputs - len(needs))
+
+
+# ---------------------------------------------------------------------------------------------------
+# gated: down(relu(gate(x)) * up(x))
+# ---------------------------------------------------------------------------------------------------
+
+
+def _gated_reference(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None):
+    fast_check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    return kernels.reference_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+
+
+def _gated_cuda(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None):
+    fast_check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    return kernels.cuda_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+
+
+def _gated_fake(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None):
+    check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    return x.new_empty((*x.shape[:-1], down_weight.shape[0]))
 
 
 def _gated_setup_context(ctx, inputs, output):
@@ -72,7 +83,11 @@ def _gated_backward(ctx, grad_out):
     return grads[: len(ctx.needs_input_grad)]
 
 
-gated_relu_mlp.register_autograd(_gated_backward, setup_context=_gated_setup_context)
+gated_relu_mlp = _define(
+    "gated_relu_mlp(Tensor x, Tensor gate_weight, Tensor up_weight, Tensor down_weight, Tensor? gate_bias=None, "
+    "Tensor? up_bias=None, Tensor? down_bias=None) -> Tensor",
+    _gated_reference, _gated_cuda, _gated_fake, _gated_backward, _gated_setup_context,
+)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -80,26 +95,17 @@ gated_relu_mlp.register_autograd(_gated_backward, setup_context=_gated_setup_con
 # ---------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("twell::relu_mlp", mutates_args=())
-def relu_mlp(
-    x: Tensor,
-    up_weight: Tensor,
-    down_weight: Tensor,
-    up_bias: Tensor | None = None,
-    down_bias: Tensor | None = None,
-) -> Tensor:
-    check_non_gated(x, up_weight, down_weight, up_bias, down_bias)
+def _relu_reference(x, up_weight, down_weight, up_bias=None, down_bias=None):
+    fast_check_non_gated(x, up_weight, down_weight, up_bias, down_bias)
     return kernels.reference_relu_mlp(x, up_weight, down_weight, up_bias, down_bias)
 
 
-@relu_mlp.register_kernel("cuda")
-def _relu_mlp_cuda(x, up_weight, down_weight, up_bias=None, down_bias=None):
-    check_non_gated(x, up_weight, down_weight, up_bias, down_bias)
+def _relu_cuda(x, up_weight, down_weight, up_bias=None, down_bias=None):
+    fast_check_non_gated(x, up_weight, down_weight, up_bias, down_bias)
     return kernels.cuda_relu_mlp(x, up_weight, down_weight, up_bias, down_bias)
 
 
-@relu_mlp.register_fake
-def _relu_mlp_fake(x, up_weight, down_weight, up_bias=None, down_bias=None):
+def _relu_fake(x, up_weight, down_weight, up_bias=None, down_bias=None):
     check_non_gated(x, up_weight, down_weight, up_bias, down_bias)
     return x.new_empty((*x.shape[:-1], down_weight.shape[0]))
 
@@ -115,7 +121,10 @@ def _relu_backward(ctx, grad_out):
     return grads[: len(ctx.needs_input_grad)]
 
 
-relu_mlp.register_autograd(_relu_backward, setup_context=_relu_setup_context)
+relu_mlp = _define(
+    "relu_mlp(Tensor x, Tensor up_weight, Tensor down_weight, Tensor? up_bias=None, Tensor? down_bias=None) -> Tensor",
+    _relu_reference, _relu_cuda, _relu_fake, _relu_backward, _relu_setup_context,
+)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -144,11 +153,10 @@ def _register_autocast_like_linear(op: torch._ops.OpOverload, device_type: str) 
 
     # Python dispatcher (used while AOTAutograd/make_fx trace) and the C++ dispatcher (eager).
     op.py_impl(dispatch_key)(call_without_autocast)
-    _AUTOCAST_LIB.impl(op._schema.name.split("::")[1], lambda _ks, *args: call_without_autocast(*args),
-                       autocast_key, with_keyset=True)
+    _LIB.impl(op._schema.name.split("::")[1], lambda _ks, *args: call_without_autocast(*args),
+              autocast_key, with_keyset=True)
 
 
-_AUTOCAST_LIB = torch.library.Library("twell", "FRAGMENT")
-for _op in (torch.ops.twell.gated_relu_mlp.default, torch.ops.twell.relu_mlp.default):
+for _op in (gated_relu_mlp, relu_mlp):
     for _device_type in ("cpu", "cuda"):
         _register_autocast_like_linear(_op, _device_type)

@@ -3,6 +3,12 @@
 Running them in the fake kernel means a bad call fails when the graph is traced, with a message that
 names the argument, instead of deep inside a GEMM. Size checks go through ``torch._check`` when sizes
 are symbolic, so dynamic-shape tracing records them without adding guards.
+
+The device kernels run on real tensors, where every size is an int, once per eager call: they use
+``fast_check_gated`` / ``fast_check_non_gated``, one pass of plain comparisons that falls back to the
+full check (which names the problem) only when something is off. At decode sizes an eager call is paced
+by the host, and the full check, a call and a closure per condition, cost about as much as the rest of
+the op's Python.
 """
 
 from __future__ import annotations
@@ -106,3 +112,55 @@ def check_non_gated(x, up_weight, down_weight, up_bias, down_bias) -> None:
         lambda: f"twell.{name}: down_weight {tuple(down_weight.shape)} must take {up_weight.shape[0]} input "
         f"features, the intermediate size of up_weight",
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# the device kernels' fast path: concrete sizes only (never call these on fake or symbolic tensors)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _bias_ok(b: Tensor, n: int, dtype: torch.dtype, device: torch.device) -> bool:
+    return b.dim() == 1 and b.shape[0] == n and b.dtype is dtype and b.device == device
+
+
+def _gated_ok(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) -> bool:
+    """True only where ``check_gated`` passes (it may be stricter, never looser)."""
+    dtype, device = x.dtype, x.device
+    if not (dtype in SUPPORTED_DTYPES and x.dim() >= 1 and gate_weight.dim() == 2 and down_weight.dim() == 2):
+        return False
+    f, k = gate_weight.shape
+    return (
+        up_weight.shape == gate_weight.shape and down_weight.shape[1] == f and x.shape[-1] == k
+        and gate_weight.dtype is dtype and up_weight.dtype is dtype and down_weight.dtype is dtype
+        and gate_weight.device == device and up_weight.device == device and down_weight.device == device
+        and (gate_bias is None or _bias_ok(gate_bias, f, dtype, device))
+        and (up_bias is None or _bias_ok(up_bias, f, dtype, device))
+        and (down_bias is None or _bias_ok(down_bias, down_weight.shape[0], dtype, device))
+    )
+
+
+def _non_gated_ok(x, up_weight, down_weight, up_bias, down_bias) -> bool:
+    """True only where ``check_non_gated`` passes (it may be stricter, never looser)."""
+    dtype, device = x.dtype, x.device
+    if not (dtype in SUPPORTED_DTYPES and x.dim() >= 1 and up_weight.dim() == 2 and down_weight.dim() == 2):
+        return False
+    f, k = up_weight.shape
+    return (
+        down_weight.shape[1] == f and x.shape[-1] == k
+        and up_weight.dtype is dtype and down_weight.dtype is dtype
+        and up_weight.device == device and down_weight.device == device
+        and (up_bias is None or _bias_ok(up_bias, f, dtype, device))
+        and (down_bias is None or _bias_ok(down_bias, down_weight.shape[0], dtype, device))
+    )
+
+
+def fast_check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) -> None:
+    """``check_gated`` for real tensors: the same errors, at a fraction of the host time when none."""
+    if not _gated_ok(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias):
+        check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+
+
+def fast_check_non_gated(x, up_weight, down_weight, up_bias, down_bias) -> None:
+    """``check_non_gated`` for real tensors: the same errors, at a fraction of the host time when none."""
+    if not _non_gated_ok(x, up_weight, down_weight, up_bias, down_bias):
+        check_non_gated(x, up_weight, down_weight, up_bias, down_bias)

@@ -12,16 +12,13 @@ import torch
 from torch import Tensor
 
 from .. import reference, stats
+from . import build
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _use_kernels(x: Tensor) -> bool:
-    if x.dtype not in _KERNEL_DTYPES:
-        return False
-    from .build import kernels_available
-
-    return kernels_available(x.device)
+    return x.dtype in _KERNEL_DTYPES and build.kernels_available(x.device)
 
 
 def _record_reference_stats(op: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
