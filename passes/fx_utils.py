@@ -29,9 +29,18 @@ aten = torch.ops.aten
 
 # torch.nn.functional.linear *is* torch._C._nn.linear; both names are listed for readers.
 LINEAR_FUNCTIONS = frozenset({F.linear, torch._C._nn.linear, aten.linear.default})
-MM_FUNCTIONS = frozenset({aten.mm.default})
+MM_FUNCTIONS = frozenset({aten.mm.default, torch.mm})
+MM_METHODS = frozenset({"mm"})
+# x @ W.T and torch.matmul(x, W.t()) with a 2-D W: linear(x, W) for any rank of x.
+MATMUL_FUNCTIONS = frozenset({operator.matmul, torch.matmul, aten.matmul.default})
+MATMUL_METHODS = frozenset({"matmul", "__matmul__"})
 ADDMM_FUNCTIONS = frozenset({aten.addmm.default})
-TRANSPOSE_FUNCTIONS = frozenset({aten.t.default, aten.permute.default, aten.transpose.int})
+# Transposes of a 2-D tensor, by the dims they take: none (t, .T, .mT), a permutation, or a pair.
+TRANSPOSE_FUNCTIONS_NO_DIMS = frozenset({aten.t.default, torch.t, aten.numpy_T.default, aten.mT.default})
+TRANSPOSE_ATTRIBUTES = frozenset({"T", "mT"})  # getattr(W, "T") in Dynamo and symbolic_trace graphs
+PERMUTE_FUNCTIONS = frozenset({aten.permute.default, torch.permute})
+TRANSPOSE_PAIR_FUNCTIONS = frozenset({aten.transpose.int, torch.transpose, torch.swapaxes, torch.swapdims})
+TRANSPOSE_PAIR_METHODS = frozenset({"transpose", "swapaxes", "swapdims"})
 # Reshapes that only change how the same elements are indexed (no copy semantics that matter here).
 VIEW_FUNCTIONS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, torch.reshape})
 VIEW_METHODS = frozenset({"view", "reshape"})
@@ -41,6 +50,16 @@ MUL_FUNCTIONS = frozenset({operator.mul, torch.mul, aten.mul.Tensor})
 MUL_METHODS = frozenset({"mul"})
 
 RELU = "relu"
+
+# clamp(t, min=0) with no max, and clamp_min(t, 0): ReLU by other names. They give the same values as
+# relu (NaN stays NaN, -0.0 stays -0.0), so a block spelled with them is rewritten like one with relu.
+_CLAMP_FUNCTIONS = frozenset({
+    torch.clamp, torch.clamp_, torch.clip, torch.clip_, aten.clamp.default, aten.clamp_.default,
+    aten.clip.default, aten.clip_.default,
+})
+_CLAMP_METHODS = frozenset({"clamp", "clamp_", "clip", "clip_"})
+_CLAMP_MIN_FUNCTIONS = frozenset({torch.clamp_min, torch.clamp_min_, aten.clamp_min.default, aten.clamp_min_.default})
+_CLAMP_MIN_METHODS = frozenset({"clamp_min", "clamp_min_"})
 
 # name -> spellings, for ReLU and for the activations reported as near-misses.
 _ACTIVATION_FUNCTIONS: dict[str, frozenset] = {
@@ -152,8 +171,30 @@ def is_view(node: Any) -> bool:
     return is_call(node, VIEW_FUNCTIONS, VIEW_METHODS)
 
 
+def _is_zero_literal(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+def _clamp_is_relu(node: fx.Node) -> bool | None:
+    """None when ``node`` is no clamp; else whether it is ``clamp(t, min=0)`` (no max, nothing else)."""
+    if is_call(node, _CLAMP_MIN_FUNCTIONS, _CLAMP_MIN_METHODS):
+        allowed, bounds = {"input", "min"}, (get_arg(node, 1, "min", None), None)
+        positional = 2
+    elif is_call(node, _CLAMP_FUNCTIONS, _CLAMP_METHODS):
+        allowed, bounds = {"input", "min", "max"}, (get_arg(node, 1, "min", None), get_arg(node, 2, "max", None))
+        positional = 3
+    else:
+        return None
+    return (not set(node.kwargs) - allowed and len(node.args) <= positional
+            and _is_zero_literal(bounds[0]) and bounds[1] is None)
+
+
 def activation_name(node: fx.Node, gm: fx.GraphModule | None) -> str | None:
-    """``"relu"``, ``"silu"``, ``"gelu"``, ... when ``node`` applies a known elementwise activation."""
+    """``"relu"``, ``"silu"``, ``"gelu"``, ... when ``node`` applies a known elementwise activation
+    (a clamp is ``"relu"`` where it computes one, else ``"clamp"``)."""
+    clamp = _clamp_is_relu(node)
+    if clamp is not None:
+        return RELU if clamp else "clamp"
     if node.op == "call_function":
         return _ACTIVATION_BY_FUNCTION.get(node.target)
     if node.op == "call_method":
@@ -174,6 +215,9 @@ def activation_name(node: fx.Node, gm: fx.GraphModule | None) -> str | None:
 
 def is_relu(node: fx.Node, gm: fx.GraphModule | None) -> bool:
     """Any spelling of ReLU, in place or not. Extra arguments other than ``inplace`` rule it out."""
+    clamp = _clamp_is_relu(node)
+    if clamp is not None:
+        return clamp
     if activation_name(node, gm) != RELU:
         return False
     extra = set(node.kwargs) - {"input", "inplace"}

@@ -8,7 +8,11 @@ Spellings, by graph dialect:
 * export after ``run_decompositions()``: ``aten.mm(x2d, t(W))`` or ``aten.addmm(b, x2d, t(W))`` where
   ``t`` is ``aten.t``, ``aten.permute(W, [1, 0])`` or ``aten.transpose(W, 0, 1)``; optionally a bias
   ``aten.add`` (before or after the reshape), and a reshape back to the leading dims, in which case
-  ``x2d`` must be ``x`` with its leading dims flattened (last dim unchanged).
+  ``x2d`` must be ``x`` with its leading dims flattened (last dim unchanged);
+* hand-written products with the weight in ``nn.Linear`` layout, in any dialect: ``x @ W.T``,
+  ``torch.matmul(x, W.t())``, ``x.matmul(W.transpose(0, 1))``, ``torch.mm(x2d, W.permute(1, 0))``,
+  ``W.mT``, ``aten.matmul(x, aten.numpy_T(W))`` ..., optionally ``+ b``. (``x @ W`` with W stored
+  ``[in, out]`` is no linear of a weight the op could take as it is, and is not matched.)
 
 A match is only reported when it provably computes ``linear(input, weight, bias)`` on the value the
 match's output node produces; anything doubtful is no match.
@@ -26,7 +30,15 @@ from .fx_utils import (
     ADD_METHODS,
     ADDMM_FUNCTIONS,
     LINEAR_FUNCTIONS,
+    MATMUL_FUNCTIONS,
+    MATMUL_METHODS,
     MM_FUNCTIONS,
+    MM_METHODS,
+    PERMUTE_FUNCTIONS,
+    TRANSPOSE_ATTRIBUTES,
+    TRANSPOSE_FUNCTIONS_NO_DIMS,
+    TRANSPOSE_PAIR_FUNCTIONS,
+    TRANSPOSE_PAIR_METHODS,
     first_input,
     get_arg,
     get_module,
@@ -183,9 +195,13 @@ def _match_decomposed_linear(node: fx.Node) -> LinearMatch | None:
                 value_nodes.append(current)
 
     core = current
-    if is_call(core, MM_FUNCTIONS) and len(core.args) == 2 and not core.kwargs:
+    if is_call(core, MM_FUNCTIONS, MM_METHODS) and len(core.args) == 2 and not core.kwargs:
         x2d, transposed_weight = core.args
-        spelling = "aten.mm + aten.add" if bias is not None else "aten.mm"
+        spelling = "aten.mm" if core.target is aten.mm.default else "torch.mm"
+        spelling += " + add" if bias is not None else ""
+    elif is_call(core, MATMUL_FUNCTIONS, MATMUL_METHODS) and len(core.args) == 2 and not core.kwargs:
+        x2d, transposed_weight = core.args  # x of any rank: matmul(x, W^T) is linear(x, W)
+        spelling = "matmul + add" if bias is not None else "matmul"
     elif is_call(core, ADDMM_FUNCTIONS) and bias is None and len(core.args) == 3:
         if any(core.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")) or set(core.kwargs) - {"beta", "alpha"}:
             return None
@@ -238,23 +254,43 @@ def _split_bias_add(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 def _untranspose(node: object) -> tuple[fx.Node | None, tuple[fx.Node, ...]]:
     """``(W, (transpose,))`` when ``node`` is a 2-D weight ``W`` transposed; ``(None, ())`` otherwise."""
-    if not isinstance(node, fx.Node) or node.op != "call_function":
+    if not isinstance(node, fx.Node) or node.kwargs or not node.args:
         return None, ()
-    weight = first_input(node)
+    weight = node.args[0]
     if not isinstance(weight, fx.Node):
         return None, ()
     weight_shape = node_shape(weight)
     if weight_shape is None or len(weight_shape) != 2:
         return None, ()
-    if node.target is aten.t.default:
-        ok = len(node.args) == 1
-    elif node.target is aten.permute.default:
-        ok = len(node.args) == 2 and [d % 2 for d in node.args[1]] == [1, 0]
-    elif node.target is aten.transpose.int:
-        ok = len(node.args) == 3 and {node.args[1] % 2, node.args[2] % 2} == {0, 1}
-    else:
-        ok = False
-    return (weight, (node,)) if ok else (None, ())
+    return (weight, (node,)) if _transposes_2d(node) else (None, ())
+
+
+def _dims_mod_2(dims: object) -> tuple[int, int] | None:
+    """Two literal dims as dims of a 2-D tensor (-1 is 1), or None."""
+    if isinstance(dims, (tuple, list)) and len(dims) == 2 and all(type(d) is int for d in dims):
+        return dims[0] % 2, dims[1] % 2
+    return None
+
+
+def _transposes_2d(node: fx.Node) -> bool:
+    """``node`` transposes its first argument, a 2-D tensor (checked by the caller)."""
+    args = node.args[1:]
+    swap = _dims_mod_2(args) in ((0, 1), (1, 0))  # transpose(W, 0, 1) and the like
+    if node.op == "call_method":
+        if node.target == "t":
+            return not args
+        if node.target == "permute":  # .permute(1, 0) or .permute((1, 0))
+            return _dims_mod_2(args[0] if len(args) == 1 else args) == (1, 0)
+        return node.target in TRANSPOSE_PAIR_METHODS and swap
+    if node.op != "call_function":
+        return False
+    if node.target in TRANSPOSE_FUNCTIONS_NO_DIMS:
+        return not args
+    if node.target is getattr:
+        return len(args) == 1 and args[0] in TRANSPOSE_ATTRIBUTES
+    if node.target in PERMUTE_FUNCTIONS:
+        return len(args) == 1 and _dims_mod_2(args[0]) == (1, 0)
+    return node.target in TRANSPOSE_PAIR_FUNCTIONS and swap
 
 
 def _flattened_source(x2d: fx.Node, unflatten: fx.Node) -> fx.Node | None:

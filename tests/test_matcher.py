@@ -222,6 +222,112 @@ def test_relu_spellings(mode, act):
     rewrite(gm, inputs, rewritten=1)
 
 
+# ReLU by other names: clamp(t, min=0) without max, and clamp_min(t, 0), gives relu's values exactly.
+CLAMP_RELUS = {
+    "Tensor.clamp(min=0)": lambda t: t.clamp(min=0),
+    "torch.clamp(t, 0)": lambda t: torch.clamp(t, 0),
+    "torch.clamp(min=0.0)": lambda t: torch.clamp(t, min=0.0),
+    "torch.clamp_min": lambda t: torch.clamp_min(t, 0),
+    "Tensor.clamp_min_": lambda t: t.clamp_min_(0),
+    "Tensor.clip(min=0)": lambda t: t.clip(min=0),
+    "Tensor.clamp_(min=0)": lambda t: t.clamp_(min=0),
+}
+ACTIVATIONS.update({name: (lambda fn=fn: fn) for name, fn in CLAMP_RELUS.items()})
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("act", list(CLAMP_RELUS))
+def test_clamp_at_zero_is_relu(mode, act):
+    gm, inputs = capture(mode, Wrapped(GatedMLP(act=act, bias=(True, True, True))), x3d())
+    rewrite(gm, inputs, rewritten=1, left_alone=0)
+    gm, inputs = capture(mode, Wrapped(NonGatedMLP(act=act)), x3d())
+    rewrite(gm, inputs, rewritten=1, left_alone=0)
+
+
+def test_clamp_matches_relu_values():
+    t = torch.tensor([float("nan"), -0.0, 0.0, -1.0, 2.5, float("-inf"), float("inf")])
+    for fn in CLAMP_RELUS.values():
+        assert torch.equal(fn(t.clone()).view(torch.int32), torch.relu(t).view(torch.int32))
+
+
+@pytest.mark.parametrize("mode", ["symbolic", "dynamo", "export_decomposed"])
+@pytest.mark.parametrize("clamp", [lambda t: t.clamp(min=0.5), lambda t: torch.clamp(t, 0, 6),
+                                   lambda t: t.clamp(max=0), lambda t: torch.clamp_min(t, -1)],
+                         ids=["min_0.5", "min_0_max_6", "max_0", "clamp_min_-1"])
+def test_other_clamps_left_alone(mode, clamp):
+    model = Custom(lambda m, x: m.down_proj(clamp(m.gate_proj(x)) * m.up_proj(x)))
+    gm, inputs = capture(mode, model, x3d())
+    assert_left_alone(rewrite(gm, inputs, rewritten=0), "activation is clamp, not relu", kind="gated")
+
+
+# Hand-written products with the weight in nn.Linear layout [out_features, in_features].
+HANDWRITTEN_LINEARS = {
+    "x @ W.T": lambda x, w: x @ w.T,
+    "torch.matmul(x, W.t())": lambda x, w: torch.matmul(x, w.t()),
+    "x.matmul(W.transpose(0, 1))": lambda x, w: x.matmul(w.transpose(0, 1)),
+    "x @ W.mT": lambda x, w: x @ w.mT,
+    "x @ W.permute(1, 0)": lambda x, w: x @ w.permute(1, 0),
+    "x @ torch.transpose(W, -1, -2)": lambda x, w: x @ torch.transpose(w, -1, -2),
+    "torch.mm(x, torch.t(W))": lambda x, w: torch.mm(x, torch.t(w)),  # 2-D x only
+}
+
+
+class HandwrittenMLP(nn.Module):
+    """``down(relu(gate(x)) * up(x))`` (or non-gated) on raw parameters, each projection ``linear(x, W) + b``."""
+
+    def __init__(self, linear: str, gated: bool = True, bias: bool = False, transposed_down: bool = True):
+        super().__init__()
+        self.gate = nn.Parameter(torch.randn(F_, D) * D**-0.5) if gated else None
+        self.up = nn.Parameter(torch.randn(F_, D) * D**-0.5)
+        # transposed_down=False stores the down weight [in, out] and multiplies it as it is: no linear.
+        down = torch.randn(D_OUT, F_) * F_**-0.5
+        self.down = nn.Parameter(down if transposed_down else down.t().contiguous())
+        self.biases = nn.ParameterList([nn.Parameter(torch.randn(n)) for n in (F_, F_, D_OUT)] if bias else [])
+        self.linear = HANDWRITTEN_LINEARS[linear]
+        self.transposed_down = transposed_down
+
+    def project(self, x, weight, i):
+        y = self.linear(x, weight)
+        return y + self.biases[i] if len(self.biases) else y
+
+    def forward(self, x):
+        hidden = torch.relu(self.project(x, self.up, 1))
+        if self.gate is not None:
+            hidden = torch.relu(self.project(x, self.gate, 0)) * self.project(x, self.up, 1)
+        if not self.transposed_down:
+            return hidden @ self.down
+        return self.project(hidden, self.down, 2)
+
+
+def capture_with_shapes(mode: str, model: nn.Module, *args: torch.Tensor) -> tuple[fx.GraphModule, tuple]:
+    """``capture``, with shapes propagated through symbolic_trace graphs (a bias add needs them)."""
+    gm, inputs = capture(mode, model, *args)
+    if mode == "symbolic":
+        ShapeProp(gm).propagate(*inputs)
+    return gm, inputs
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("linear", list(HANDWRITTEN_LINEARS))
+def test_handwritten_linears(mode, linear):
+    x = torch.randn(5, D) if "torch.mm" in linear else x3d()
+    gm, inputs = capture_with_shapes(mode, Wrapped(HandwrittenMLP(linear, bias=True)), x)
+    report = rewrite(gm, inputs, rewritten=1, left_alone=0)
+    (call,) = twell_calls(gm)
+    assert call.target is torch.ops.twell.gated_relu_mlp.default and all(a is not None for a in call.args)
+    assert report.candidates[0].kind == "gated"
+    gm, inputs = capture_with_shapes(mode, HandwrittenMLP(linear, gated=False), torch.randn(5, D))
+    rewrite(gm, inputs, rewritten=1, left_alone=0)
+
+
+@pytest.mark.parametrize("mode", ["symbolic", "dynamo", "export_decomposed"])
+def test_untransposed_weight_is_no_linear(mode):
+    # hidden @ W_down with W_down stored [in, out]: the op takes nn.Linear layouts, so nothing matches.
+    gm, inputs = capture_with_shapes(mode, HandwrittenMLP("x @ W.T", transposed_down=False), x3d())
+    report = rewrite(gm, inputs, rewritten=0)
+    assert report.left_alone_count == 0, str(report)
+
+
 @pytest.mark.parametrize("mode", ["symbolic", "dynamo"])
 @pytest.mark.parametrize("mul", list(MULS))
 @pytest.mark.parametrize("swap", [False, True], ids=["relu_first", "up_first"])
