@@ -50,3 +50,14 @@ def test_bench_host_time_on_cpu():
         for mode in ("grad", "no_grad", "inference_mode"):
             assert any(line.startswith(op) and f" {mode} " in line and "dispatch + checks" in line
                        for line in out.splitlines()), (op, mode, out)
+
+
+def test_sparse_reuse():
+    out = run_example("sparse_reuse.py", "--m", "512", "--hidden", "64", "--intermediate", "512", "--nnz", "8",
+                      "--blocks", "1", "128", "512")
+    rows = {int(line.split()[0]): line.split() for line in out.splitlines() if line.strip()[:1].isdigit()}
+    assert set(rows) == {1, 128, 512}, out
+    # One token per block reads its own rows: no reuse, the per-token design's traffic.
+    assert rows[1][3] == "1.00" and rows[1][5] == "1.00", out
+    # A larger block shares more rows, so it reads fewer bytes per token.
+    assert float(rows[512][3]) > float(rows[128][3]) > 1.0 and float(rows[512][5]) < float(rows[128][5]) < 1.0, out
