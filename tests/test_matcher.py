@@ -45,6 +45,17 @@ ACTIVATIONS = {
     "gelu": lambda: F.gelu,
     "sigmoid": lambda: torch.sigmoid,
 }
+# ReLU by other names: clamp(t, min=0) without max, and clamp_min(t, 0), give relu's values exactly.
+CLAMP_RELUS = {
+    "Tensor.clamp(min=0)": lambda t: t.clamp(min=0),
+    "torch.clamp(t, 0)": lambda t: torch.clamp(t, 0),
+    "torch.clamp(min=0.0)": lambda t: torch.clamp(t, min=0.0),
+    "torch.clamp_min": lambda t: torch.clamp_min(t, 0),
+    "Tensor.clamp_min_": lambda t: t.clamp_min_(0),
+    "Tensor.clip(min=0)": lambda t: t.clip(min=0),
+    "Tensor.clamp_(min=0)": lambda t: t.clamp_(min=0),
+}
+ACTIVATIONS.update({name: (lambda fn=fn: fn) for name, fn in CLAMP_RELUS.items()})
 
 MULS = {
     "operator": operator.mul,
@@ -222,19 +233,6 @@ def test_relu_spellings(mode, act):
     rewrite(gm, inputs, rewritten=1)
 
 
-# ReLU by other names: clamp(t, min=0) without max, and clamp_min(t, 0), gives relu's values exactly.
-CLAMP_RELUS = {
-    "Tensor.clamp(min=0)": lambda t: t.clamp(min=0),
-    "torch.clamp(t, 0)": lambda t: torch.clamp(t, 0),
-    "torch.clamp(min=0.0)": lambda t: torch.clamp(t, min=0.0),
-    "torch.clamp_min": lambda t: torch.clamp_min(t, 0),
-    "Tensor.clamp_min_": lambda t: t.clamp_min_(0),
-    "Tensor.clip(min=0)": lambda t: t.clip(min=0),
-    "Tensor.clamp_(min=0)": lambda t: t.clamp_(min=0),
-}
-ACTIVATIONS.update({name: (lambda fn=fn: fn) for name, fn in CLAMP_RELUS.items()})
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("act", list(CLAMP_RELUS))
 def test_clamp_at_zero_is_relu(mode, act):
@@ -291,9 +289,10 @@ class HandwrittenMLP(nn.Module):
         return y + self.biases[i] if len(self.biases) else y
 
     def forward(self, x):
-        hidden = torch.relu(self.project(x, self.up, 1))
         if self.gate is not None:
             hidden = torch.relu(self.project(x, self.gate, 0)) * self.project(x, self.up, 1)
+        else:
+            hidden = torch.relu(self.project(x, self.up, 1))
         if not self.transposed_down:
             return hidden @ self.down
         return self.project(hidden, self.down, 2)
