@@ -8,6 +8,8 @@ from twell_compile.testing import make_problem
 
 for m, (k, f, d), gated, density in [(7, (257, 1031, 131), True, float("inf")), (300, (264, 1000, 200), False, 0.01),
                                      (130, (2048, 5632, 2048), True, 0.0),
+                                     (100, (2048, 5632, 2048), True, float("inf")),  # sparse clusters, wgmma gate
+                                     (128, (264, 1000, 200), False, 0.01),  # likewise, non-gated, mixed paths
                                      (64, (2048, 5632, 2048), True, float("inf")),  # decode gate: 4 MMA row tiles
                                      (40, (264, 1000, 200), True, 0.0),  # decode gate, then the dense path
                                      (1, (2048, 5632, 2048), False, float("inf")),  # decode, non-gated

@@ -131,3 +131,25 @@ def test_first_build_says_it_is_compiling(tmp_path, monkeypatch, capsys):
     (tmp_path / build_dir / "twell_cuda.so").write_bytes(b"")  # what a finished build leaves
     build_extension()
     assert capsys.readouterr().err == ""  # built before: loaded from the cache, silently
+
+
+def test_finished_build_is_imported_without_ninja(tmp_path, monkeypatch):
+    # Reinstalling the package copies csrc anew; ninja would then rebuild everything from its timestamps.
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("TWELL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: pytest.fail("ninja ran"))
+    imported = []
+    monkeypatch.setattr(build, "_import_built", lambda library: imported.append(library) or "cached module")
+    assert build.cuda_extension.__wrapped__() == "cached module"
+    assert imported[0].name == "twell_cuda.so" and imported[0].parent.parent == tmp_path
+
+
+def test_import_of_a_built_library(tmp_path):
+    library = tmp_path / "module.py"  # any file the import machinery loads stands in for the .so
+    library.write_text("ANSWER = 42\n")
+    assert build._import_built(library).ANSWER == 42
+    assert build._import_built(tmp_path / "missing.so") is None
+    broken = tmp_path / "twell_cuda.so"
+    broken.write_bytes(b"\x7fELF cut off while linking")
+    assert build._import_built(broken) is None  # built again instead

@@ -110,6 +110,23 @@ def test_adversarial_sparsity(case, gated, path, m):
 
 
 @requires_twell_kernels
+@pytest.mark.parametrize("m", [65, 100, 128])
+@pytest.mark.parametrize("case", ["uniform", "one_full_row", "skewed"])
+@pytest.mark.parametrize("shape", [(2048, 5632, 2048), (264, 1000, 200)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_clustered_sparse_kernel_past_decode_sizes(m, case, shape, gated):
+    # 65-128 rows: the wgmma gate and dense path, with the sparse kernel's clusters sharing each row's units.
+    from twell_compile.kernels import twell_mlp
+
+    k, f, d = shape
+    assert twell_mlp.sparse_launch(m, d, torch.cuda.get_device_properties(0).multi_processor_count, True).entry_split
+    kwargs = dict(nnz_per_row=24.0) if case == "uniform" else dict(ADVERSARIAL[case])
+    problem = make_problem(m, k, f, d, gated=gated, bias=True, **kwargs)
+    for path in ("auto", "sparse", "dense"):
+        _check(*_run(problem, gated, path), f"m={m} {case} {shape} gated={gated} {path}")
+
+
+@requires_twell_kernels
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 def test_many_tokens(gated):
     problem = make_problem(131072, 2048, 5632, gated=gated, nnz_per_row=24.0, skew=True)
@@ -242,7 +259,7 @@ def test_triton_kernels_alone_stay_exact(gated, path, m):
 @requires_twell_kernels
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("path", ["auto", "dense"])
-@pytest.mark.parametrize("m", [1, 16, 300, 4097])
+@pytest.mark.parametrize("m", [1, 16, 100, 300, 4097])
 def test_one_call_path_matches_the_step_by_step_path_bitwise(gated, path, m, monkeypatch):
     """Aligned operands run in one host call (``mlp_forward``, csrc/twell_mlp_forward.cpp); the Python
     path that calls each kernel in turn (unaligned operands, Triton) must agree with it bit for bit,

@@ -17,6 +17,8 @@ def test_dense_thresholds_large_and_decode_calls():
     assert twell_mlp._dense_thresholds(1000, f, entry_split=False) == (int(128 * f * 0.015), int(104 * f * 0.015), 16)
     # Decode with the clustered sparse kernel: 5% of the (single, partial) block; heavy rows still count.
     assert twell_mlp._dense_thresholds(40, f, entry_split=True) == (int(128 * f * 0.05), int(40 * f * 0.05), 16)
+    # Clustered past decode sizes (the dense path is the wgmma GEMMs there): the usual 1.5%.
+    assert twell_mlp._dense_thresholds(100, f, entry_split=True) == (int(128 * f * 0.015), int(100 * f * 0.015), 16)
 
 
 def test_forced_paths_reach_the_thresholds(monkeypatch):
@@ -41,14 +43,17 @@ def test_block_dense_matches_the_device_test():
 
 def test_sparse_kernel_clusters_at_decode():
     sms = 132
-    assert [twell_mlp._sparse_cluster(m, sms) for m in (1, 16, 33, 40, 64, 65, 4096)] == [8, 8, 8, 6, 4, 1, 1]
-    assert twell_mlp._sparse_threads(64) == 256 and twell_mlp._sparse_threads(65) == 128
+    assert ([twell_mlp._sparse_cluster(m, sms) for m in (1, 16, 33, 40, 64, 65, 128, 129, 4096)]
+            == [8, 8, 8, 6, 4, 4, 2, 1, 1])
+    assert twell_mlp._sparse_threads(128) == 256 and twell_mlp._sparse_threads(129) == 128
 
 
 def test_sparse_kernel_column_splits():
     # Small batches: enough CTAs for 132 SMs, at most one 128-column group per split; large: one CTA per row.
     assert twell_mlp._column_splits(1, 2048, 132, vec8=True) == 16
-    assert twell_mlp._column_splits(100, 2048, 132, vec8=True) == 3
+    assert twell_mlp._column_splits(64, 2048, 132, vec8=True) == 5
+    assert twell_mlp._column_splits(100, 2048, 132, vec8=True) == 2  # past decode sizes: one CTA per SM
+    assert twell_mlp._column_splits(256, 2048, 132, vec8=True) == 1
     assert twell_mlp._column_splits(131072, 2048, 132, vec8=True) == 1
     # Scalar columns: 128 threads cover at most 512 columns per CTA.
     assert twell_mlp._column_splits(131072, 2050, 132, vec8=False) == 5
@@ -63,8 +68,9 @@ def test_sparse_launch_takes_the_entry_split_only_where_it_fits():
     # Too many columns for one CTA (8 per access, or 1 without 16-byte rows): column splits instead.
     assert launch(1, 8200, 132, vec8=True) == SparseLaunch(256, twell_mlp._column_splits(1, 8200, 132, True), 1)
     assert launch(1, 2048, 132, vec8=False) == SparseLaunch(256, 16, 1)
-    # Past 64 rows: 128 threads, column splits, never a cluster.
-    assert launch(65, 2048, 132, vec8=True) == SparseLaunch(128, twell_mlp._column_splits(65, 2048, 132, True), 1)
+    # Up to 128 rows the same; past them 128 threads, column splits, never a cluster.
+    assert launch(128, 2048, 132, vec8=True) == SparseLaunch(threads=256, splits=1, cluster=2)
+    assert launch(129, 2048, 132, vec8=True) == SparseLaunch(128, twell_mlp._column_splits(129, 2048, 132, True), 1)
     assert not launch(131072, 2048, 132, vec8=True).entry_split
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import os
 import sys
 import warnings
@@ -20,6 +21,7 @@ import torch
 _SOURCES = ("twell_ext.cpp", "twell_mlp_forward.cpp", "twell_sparse_mlp.cu", "twell_gemm.cu", "twell_decode_gemv.cu",
             "twell_gate_rebuild.cu")
 _HEADERS = ("twell_entries.h", "hopper_ptx.cuh", "dense_block_test.cuh", "dtype16.cuh", "cluster_launch.cuh")
+_MODULE = "twell_cuda"
 _NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-gencode=arch=compute_90a,code=sm_90a"]
 
 
@@ -42,6 +44,23 @@ def _cache_dir(sources: list[Path]) -> Path:
     return root / f"cuda_ext_{digest.hexdigest()[:16]}"
 
 
+def _import_built(library: Path):
+    """The module a finished build left in ``library``, or None.
+
+    The build directory is named by a hash of every source, header and flag, so a library there is
+    the build of these sources. Importing it directly skips ninja's timestamp check, which recompiles
+    everything (minutes) whenever the sources were copied anew, as reinstalling the package does."""
+    if not library.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(_MODULE, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError):  # e.g. a build cut off while linking: build again
+        return None
+    return module
+
+
 @functools.cache
 def cuda_extension():
     """The compiled extension module (raises if it cannot be built)."""
@@ -50,11 +69,14 @@ def cuda_extension():
     sources = [csrc_dir() / s for s in _SOURCES]
     build_dir = _cache_dir(sources + [csrc_dir() / h for h in _HEADERS])
     build_dir.mkdir(parents=True, exist_ok=True)
+    built = _import_built(build_dir / f"{_MODULE}.so")
+    if built is not None:
+        return built
     if not any(build_dir.glob("*.so")):
         print(f"twell: compiling the CUDA kernels into {build_dir} (first use only; this takes a minute or two)...",
               file=sys.stderr, flush=True)
     return load(
-        name="twell_cuda",
+        name=_MODULE,
         sources=[str(s) for s in sources],
         extra_cflags=["-O3", "-std=c++17"],
         extra_cuda_cflags=_NVCC_FLAGS,

@@ -134,11 +134,15 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _column_splits(m: int, d: int, sms: int, vec8: bool) -> int:
-    """Output-column splits of the sparse kernel: enough CTAs to fill the GPU's ``sms`` SMs at small M,
-    and at most 4 column groups per thread of a CTA."""
+    """Output-column splits of the sparse kernel: at most 4 column groups per thread of a CTA, and at
+    small M enough CTAs to fill the GPU's ``sms`` SMs: two per SM at decode sizes, one past them. Each
+    split computes its row's up projections again, and past decode sizes that costs more than the
+    extra CTAs gain (H100, whole calls under CUDA graphs at 24 / 39 nnz: M = 256, 62.0 / 67.0 us with
+    one split against 65.0 / 74.0 with two). Up to 128 rows the entry split (``sparse_launch``) usually
+    runs instead; column splits serve there only outputs too wide for one CTA."""
     per_cta_max = 4 * _sparse_threads(m) * (8 if vec8 else 1)
     splits = -(-d // per_cta_max)
-    want = -(-2 * sms // m)
+    want = -(-(2 * sms if m <= _DECODE_ROWS else sms) // m)
     return max(splits, min(want, max(d // 128, 1)))
 
 
@@ -147,27 +151,32 @@ def _vec8_ok(*tensors: Tensor) -> bool:
 
 
 # Threads per CTA of the sparse kernel. Large batches: 128 (H200, M = 131072 at 24 nnz: 3.3 against 5.8 ms
-# for 256). Decode-sized ones, where a CTA's latency is the time: 256, more warps for the up projections
-# (CUDA-graph replays at M = 1, 16, 64: 12-20 against 14-23 us).
+# for 256). Small ones, where a CTA's latency is the time: 256, more warps for the up projections
+# (CUDA-graph replays at M = 1, 16, 64: 12-20 against 14-23 us; M = 128: 54.7 against 60.7 us with
+# column splits, H100).
 _SPARSE_THREADS = int(os.environ.get("TWELL_SPARSE_THREADS", "128"))
 _SPARSE_THREADS_DECODE = int(os.environ.get("TWELL_SPARSE_THREADS_DECODE", "256"))
 _DECODE_ROWS = 64
-# Decode-sized batches: the CTAs of a cluster share each row's active units (csrc/twell_sparse_mlp.cu),
-# so a heavy row is not one CTA's sequential work. At most 8 per row, and about two CTAs per SM in all
+# Small batches: the CTAs of a cluster share each row's active units (csrc/twell_sparse_mlp.cu), so a
+# heavy row is not one CTA's sequential work. At most 8 per row, and about two CTAs per SM in all
 # (H200 graph replays of the sparse kernel at 24 nnz: M = 1 and 16, 9.6-10.2 us with 8 against 17-18
-# us with column splits; M = 64, 12.6 us with 4 against 18.4 with 8). TWELL_SPARSE_CLUSTER_DECODE=1
-# switches it off (column splits only).
+# us with column splits; M = 64, 12.6 us with 4 against 18.4 with 8). Up to 128 rows: whole calls at
+# M = 128 took 47.9 us with clusters of 2 against 60.7 with column splits (24 nnz; 52.4 against 72.2
+# at 39), but at M = 256 column splits were as fast or faster (61.3 against 64.9 us at 24 nnz), and
+# from M = 512 on much faster (H100, examples/sweep_sparse_launch.py). TWELL_SPARSE_CLUSTER_DECODE=1
+# switches the clusters off (column splits only); TWELL_SPARSE_ENTRY_SPLIT_ROWS moves the limit.
 _SPARSE_CLUSTER_DECODE = int(os.environ.get("TWELL_SPARSE_CLUSTER_DECODE", "8"))
+_ENTRY_SPLIT_ROWS = int(os.environ.get("TWELL_SPARSE_ENTRY_SPLIT_ROWS", "128"))
 
 
 def _sparse_cluster(m: int, sms: int) -> int:
-    if m > _DECODE_ROWS:
+    if m > _ENTRY_SPLIT_ROWS:
         return 1
     return max(1, min(_SPARSE_CLUSTER_DECODE, 2 * sms // m))
 
 
 def _sparse_threads(m: int) -> int:
-    return _SPARSE_THREADS_DECODE if m <= _DECODE_ROWS else _SPARSE_THREADS
+    return _SPARSE_THREADS_DECODE if m <= _ENTRY_SPLIT_ROWS else _SPARSE_THREADS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,8 +210,10 @@ def _dense_thresholds(m: int, f: int, entry_split: bool) -> tuple[int, int, int]
     """Largest active count a full 128-row block, and the last (maybe partial) block, may have and
     still take the sparse path, and the most row-tiles past capacity a block may have. Plain integers
     from shapes and the settings: no device data involved. ``entry_split``: the sparse kernel splits
-    each row's units over a cluster (decode-sized calls), which moves the crossover."""
-    density = config.decode_dense_block_density if entry_split else config.dense_block_density
+    each row's units over a cluster, which at decode sizes (where the dense path is the split-K GEMVs)
+    moves the crossover."""
+    decode = entry_split and m <= _DECODE_ROWS
+    density = config.decode_dense_block_density if decode else config.dense_block_density
 
     def threshold(rows: int) -> int:
         limit = rows * f * density

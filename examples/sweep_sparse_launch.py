@@ -1,0 +1,92 @@
+"""How the sparse kernel should split its work at a given token count: CUDA-graph replays of the whole
+twell MLP call for each launch choice, beside the dense MLP, in one run.
+
+Choices: one CTA per token with its output columns split over ``splits`` CTAs (128 or 256 threads;
+each split computes the token's up projections again), or the entry split: a cluster of ``c`` CTAs per
+token, each taking a share of its active units over all columns (256 threads). The call plan normally
+picks the entry split for decode-sized calls only; this measures where else it pays.
+
+    python examples/sweep_sparse_launch.py --m 128 256 512 1024 2048 4096 --nnz 24 39
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import twell_compile  # noqa: F401  (registers torch.ops.twell)
+from twell_compile.kernels import twell_mlp
+from twell_compile.testing import cuda_graph_time_ms, make_problem, relative_error
+
+CHOICES = ["columns/128", "columns/256", "entries/2", "entries/4", "entries/8"]
+default_column_splits = twell_mlp._column_splits
+
+
+def dense_mlp(x, wg, wu, wd):
+    return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+def use_choice(choice: str) -> None:
+    """Points the call plan at one launch choice (module-level hooks of twell_mlp) and drops cached plans."""
+    kind, value, *splits = choice.split("/")
+    twell_mlp._column_splits = default_column_splits
+    if kind == "columns":
+        twell_mlp._sparse_threads = lambda m, threads=int(value): threads
+        twell_mlp._sparse_cluster = lambda m, sms: 1
+        if splits:
+            twell_mlp._column_splits = lambda m, d, sms, vec8, n=int(splits[0]): n
+    else:
+        twell_mlp._sparse_threads = lambda m: 256
+        twell_mlp._sparse_cluster = lambda m, sms, cluster=int(value): cluster
+    twell_mlp._PLANS.clear()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--m", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096])
+    parser.add_argument("--nnz", type=float, nargs="+", default=[24, 39])
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--skew", action="store_true", help="skewed sparsity (heavy tokens and units), as bench_mlp.py")
+    parser.add_argument("--choices", nargs="+", default=CHOICES,
+                        help="columns/THREADS[/SPLITS] (SPLITS: the plan's own when left out) or entries/CLUSTER")
+    args = parser.parse_args()
+    default_threads, default_cluster = twell_mlp._sparse_threads, twell_mlp._sparse_cluster
+    rows = []
+    for m in args.m:
+        for nnz in args.nnz:
+            # Skewed: as bench_mlp.py, half the base density so that the mean stays near the target.
+            p = make_problem(m, 2048, 5632, nnz_per_row=nnz / 2 if args.skew else nnz, skew=args.skew)
+            x, wg, wu, wd = p.x, p.gate_weight, p.up_weight, p.down_weight
+            twell_mlp._sparse_threads, twell_mlp._sparse_cluster = default_threads, default_cluster
+            twell_mlp._column_splits = default_column_splits
+            twell_mlp._PLANS.clear()
+            default = twell_mlp.sparse_launch(m, 2048, torch.cuda.get_device_properties(0).multi_processor_count, True)
+            reference = torch.ops.twell.gated_relu_mlp(x, wg, wu, wd).float()
+            t_dense = cuda_graph_time_ms(lambda: dense_mlp(x, wg, wu, wd), args.reps)
+            times = {}
+            for choice in args.choices:
+                use_choice(choice)
+                out = torch.ops.twell.gated_relu_mlp(x, wg, wu, wd)
+                err = relative_error(out, reference)
+                assert err < 1e-2, f"{choice} at M={m}: relative difference {err:.2e} from the default launch"
+                times[choice] = cuda_graph_time_ms(lambda: torch.ops.twell.gated_relu_mlp(x, wg, wu, wd), args.reps)
+            rows.append((m, nnz, default, t_dense, times))
+            print(m, nnz, f"dense {t_dense * 1e3:.1f} us", {c: round(t * 1e3, 1) for c, t in times.items()}, flush=True)
+    twell_mlp._sparse_threads, twell_mlp._sparse_cluster = default_threads, default_cluster
+    twell_mlp._column_splits = default_column_splits
+    twell_mlp._PLANS.clear()
+
+    print(f"\nGPU: {torch.cuda.get_device_name()}  K=2048 N=5632 bf16, {'skewed' if args.skew else 'uniform'}, "
+          "CUDA-graph replays, median us; ratio = dense / twell")
+    print(f"{'M':>6} {'nnz':>4} {'default':>14} {'dense':>7} " + " ".join(f"{c:>16}" for c in args.choices))
+    for m, nnz, default, t_dense, times in rows:
+        name = (f"entries/{default.cluster}" if default.entry_split
+                else f"columns/{default.threads}/{default.splits}")
+        cells = " ".join(f"{t * 1e3:>8.1f} ({t_dense / t:4.2f}x)" for t in times.values())
+        print(f"{m:>6} {nnz:>4.0f} {name:>14} {t_dense * 1e3:>7.1f} {cells}")
+
+
+if __name__ == "__main__":
+    main()
