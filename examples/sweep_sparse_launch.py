@@ -4,7 +4,9 @@ twell MLP call for each launch choice, beside the dense MLP, in one run.
 Choices: one CTA per token with its output columns split over ``splits`` CTAs (128 or 256 threads;
 each split computes the token's up projections again), or the entry split: a cluster of ``c`` CTAs per
 token, each taking a share of its active units over all columns (256 threads). The call plan normally
-picks the entry split for decode-sized calls only; this measures where else it pays.
+picks the entry split for calls of at most 128 rows; this measures where it pays. ``path/sparse`` and
+``path/dense`` time the plan's own launch with every block forced onto the sparse or the dense path,
+which shows where the device-side choice between them should switch.
 
     python examples/sweep_sparse_launch.py --m 128 256 512 1024 2048 4096 --nnz 24 39
 """
@@ -22,6 +24,9 @@ from twell_compile.testing import cuda_graph_time_ms, make_problem, relative_err
 
 CHOICES = ["columns/128", "columns/256", "entries/2", "entries/4", "entries/8"]
 default_column_splits = twell_mlp._column_splits
+default_threads, default_cluster = twell_mlp._sparse_threads, twell_mlp._sparse_cluster
+default_thresholds = (twell_mlp.config.dense_block_density, twell_mlp.config.decode_dense_block_density,
+                      twell_mlp.config.heavy_block_overflow_tiles)
 
 
 def dense_mlp(x, wg, wu, wd):
@@ -29,10 +34,27 @@ def dense_mlp(x, wg, wu, wd):
 
 
 def use_choice(choice: str) -> None:
-    """Points the call plan at one launch choice (module-level hooks of twell_mlp) and drops cached plans."""
+    """Points the call plan at one launch choice (module-level hooks of twell_mlp) and drops cached plans.
+    ``path/sparse`` and ``path/dense`` keep the plan's launch and force every block onto one path;
+    ``heavy/N`` and ``density/X`` keep it and set one threshold of the dense-block test."""
     kind, value, *splits = choice.split("/")
     twell_mlp._column_splits = default_column_splits
-    if kind == "columns":
+    cfg = twell_mlp.config
+    cfg.dense_block_density, cfg.decode_dense_block_density, cfg.heavy_block_overflow_tiles = default_thresholds
+    if kind == "path":
+        twell_mlp._sparse_threads, twell_mlp._sparse_cluster = default_threads, default_cluster
+        if value == "sparse":
+            cfg.dense_block_density = cfg.decode_dense_block_density = float("inf")
+            cfg.heavy_block_overflow_tiles = 2**31 - 1
+        elif value == "dense":
+            cfg.dense_block_density = cfg.decode_dense_block_density = 0.0
+    elif kind in ("heavy", "density"):  # the plan's launch, one threshold of the dense-block test changed
+        twell_mlp._sparse_threads, twell_mlp._sparse_cluster = default_threads, default_cluster
+        if kind == "heavy":
+            cfg.heavy_block_overflow_tiles = int(value)
+        else:
+            cfg.dense_block_density = cfg.decode_dense_block_density = float(value)
+    elif kind == "columns":
         twell_mlp._sparse_threads = lambda m, threads=int(value): threads
         twell_mlp._sparse_cluster = lambda m, sms: 1
         if splits:
@@ -50,18 +72,17 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--skew", action="store_true", help="skewed sparsity (heavy tokens and units), as bench_mlp.py")
     parser.add_argument("--choices", nargs="+", default=CHOICES,
-                        help="columns/THREADS[/SPLITS] (SPLITS: the plan's own when left out) or entries/CLUSTER")
+                        help="columns/THREADS[/SPLITS] (SPLITS: the plan's own when left out), entries/CLUSTER, "
+                             "path/sparse, path/dense (the plan's launch, every block forced onto one path), "
+                             "heavy/TILES or density/FRACTION (the plan's launch, that dense-block threshold set)")
     args = parser.parse_args()
-    default_threads, default_cluster = twell_mlp._sparse_threads, twell_mlp._sparse_cluster
     rows = []
     for m in args.m:
         for nnz in args.nnz:
             # Skewed: as bench_mlp.py, half the base density so that the mean stays near the target.
             p = make_problem(m, 2048, 5632, nnz_per_row=nnz / 2 if args.skew else nnz, skew=args.skew)
             x, wg, wu, wd = p.x, p.gate_weight, p.up_weight, p.down_weight
-            twell_mlp._sparse_threads, twell_mlp._sparse_cluster = default_threads, default_cluster
-            twell_mlp._column_splits = default_column_splits
-            twell_mlp._PLANS.clear()
+            use_choice("path/auto")
             default = twell_mlp.sparse_launch(m, 2048, torch.cuda.get_device_properties(0).multi_processor_count, True)
             reference = torch.ops.twell.gated_relu_mlp(x, wg, wu, wd).float()
             t_dense = cuda_graph_time_ms(lambda: dense_mlp(x, wg, wu, wd), args.reps)
@@ -74,9 +95,7 @@ def main() -> None:
                 times[choice] = cuda_graph_time_ms(lambda: torch.ops.twell.gated_relu_mlp(x, wg, wu, wd), args.reps)
             rows.append((m, nnz, default, t_dense, times))
             print(m, nnz, f"dense {t_dense * 1e3:.1f} us", {c: round(t * 1e3, 1) for c, t in times.items()}, flush=True)
-    twell_mlp._sparse_threads, twell_mlp._sparse_cluster = default_threads, default_cluster
-    twell_mlp._column_splits = default_column_splits
-    twell_mlp._PLANS.clear()
+    use_choice("path/auto")
 
     print(f"\nGPU: {torch.cuda.get_device_name()}  K=2048 N=5632 bf16, {'skewed' if args.skew else 'uniform'}, "
           "CUDA-graph replays, median us; ratio = dense / twell")

@@ -17,8 +17,8 @@ def test_dense_thresholds_large_and_decode_calls():
     assert twell_mlp._dense_thresholds(1000, f, entry_split=False) == (int(128 * f * 0.015), int(104 * f * 0.015), 16)
     # Decode with the clustered sparse kernel: 5% of the (single, partial) block; heavy rows still count.
     assert twell_mlp._dense_thresholds(40, f, entry_split=True) == (int(128 * f * 0.05), int(40 * f * 0.05), 16)
-    # Clustered past decode sizes (the dense path is the wgmma GEMMs there): the usual 1.5%.
-    assert twell_mlp._dense_thresholds(100, f, entry_split=True) == (int(128 * f * 0.015), int(100 * f * 0.015), 16)
+    # Clustered past decode sizes too (the dense path is the wgmma GEMMs there, but the crossover is alike).
+    assert twell_mlp._dense_thresholds(100, f, entry_split=True) == (int(128 * f * 0.05), int(100 * f * 0.05), 16)
 
 
 def test_forced_paths_reach_the_thresholds(monkeypatch):

@@ -52,10 +52,12 @@ class KernelConfig:
     """A 128-row block with more (row, tile) pairs past capacity than this also runs the dense path: on
     the sparse path a row with hundreds of active units is one CTA's sequential work (a straggler)."""
     decode_dense_block_density: float = float(os.environ.get("TWELL_DECODE_DENSE_BLOCK_DENSITY", "0.05"))
-    """dense_block_density for calls of at most 64 rows, whose sparse kernel splits each row's units over
-    a cluster of CTAs and whose dense path runs as split-K GEMVs (decode_dense_gemv). On an H200 at the
-    2B shape the forced paths crossed near 10%, 5% and 4.5% density for M = 1, 16 and 64 with every row
-    alike (graph replays; dense path 43-45, 47-56 and 68-70 us). Rows far heavier than the rest are
+    """dense_block_density for calls whose sparse kernel splits each row's units over a cluster of CTAs
+    (at most 128 rows; up to 64 their dense path runs as split-K GEMVs, decode_dense_gemv). On an H200
+    at the 2B shape the forced paths crossed near 10%, 5% and 4.5% density for M = 1, 16 and 64 with
+    every row alike (graph replays; dense path 43-45, 47-56 and 68-70 us). At M = 100 and 128 (H100,
+    wgmma dense path) they crossed near 4-5%: at 2.1% the sparse path took 71-73 against 88 us, at
+    2.8-4.3% both about 89-91 us, at 5.7% the dense path won by 14% (examples/sweep_sparse_launch.py). Rows far heavier than the rest are
     still stragglers (a fifth to an eighth of a 2000-unit row is one CTA's work), so the past-capacity
     rule (heavy_block_overflow_tiles) applies here too: with it off, M = 64 skewed ran at 0.13-0.19x
     dense, against 0.54x on the dense path."""
@@ -210,10 +212,8 @@ def _dense_thresholds(m: int, f: int, entry_split: bool) -> tuple[int, int, int]
     """Largest active count a full 128-row block, and the last (maybe partial) block, may have and
     still take the sparse path, and the most row-tiles past capacity a block may have. Plain integers
     from shapes and the settings: no device data involved. ``entry_split``: the sparse kernel splits
-    each row's units over a cluster, which at decode sizes (where the dense path is the split-K GEMVs)
-    moves the crossover."""
-    decode = entry_split and m <= _DECODE_ROWS
-    density = config.decode_dense_block_density if decode else config.dense_block_density
+    each row's units over a cluster (calls of at most 128 rows), which moves the crossover."""
+    density = config.decode_dense_block_density if entry_split else config.dense_block_density
 
     def threshold(rows: int) -> int:
         limit = rows * f * density
