@@ -123,22 +123,6 @@ def _bias_ok(b: Tensor, n: int, dtype: torch.dtype, device: torch.device) -> boo
     return b.dim() == 1 and b.shape[0] == n and b.dtype is dtype and b.device == device
 
 
-def _gated_ok(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) -> bool:
-    """True only where ``check_gated`` passes (it may be stricter, never looser)."""
-    dtype, device = x.dtype, x.device
-    if not (dtype in SUPPORTED_DTYPES and x.dim() >= 1 and gate_weight.dim() == 2 and down_weight.dim() == 2):
-        return False
-    f, k = gate_weight.shape
-    return (
-        up_weight.shape == gate_weight.shape and down_weight.shape[1] == f and x.shape[-1] == k
-        and gate_weight.dtype is dtype and up_weight.dtype is dtype and down_weight.dtype is dtype
-        and gate_weight.device == device and up_weight.device == device and down_weight.device == device
-        and (gate_bias is None or _bias_ok(gate_bias, f, dtype, device))
-        and (up_bias is None or _bias_ok(up_bias, f, dtype, device))
-        and (down_bias is None or _bias_ok(down_bias, down_weight.shape[0], dtype, device))
-    )
-
-
 def _non_gated_ok(x, up_weight, down_weight, up_bias, down_bias) -> bool:
     """True only where ``check_non_gated`` passes (it may be stricter, never looser)."""
     dtype, device = x.dtype, x.device
@@ -151,6 +135,16 @@ def _non_gated_ok(x, up_weight, down_weight, up_bias, down_bias) -> bool:
         and up_weight.device == device and down_weight.device == device
         and (up_bias is None or _bias_ok(up_bias, f, dtype, device))
         and (down_bias is None or _bias_ok(down_bias, down_weight.shape[0], dtype, device))
+    )
+
+
+def _gated_ok(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) -> bool:
+    """True only where ``check_gated`` passes (it may be stricter, never looser): the non-gated op's
+    conditions with the gate as its activated projection, and an up projection just like the gate."""
+    return (
+        _non_gated_ok(x, gate_weight, down_weight, gate_bias, down_bias)
+        and up_weight.shape == gate_weight.shape and up_weight.dtype is x.dtype and up_weight.device == x.device
+        and (up_bias is None or _bias_ok(up_bias, gate_weight.shape[0], x.dtype, x.device))
     )
 
 
