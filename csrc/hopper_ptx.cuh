@@ -70,6 +70,13 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const void* ten
       ::"r"(smem_addr(dst)), "l"(tensor_map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "h"(cta_mask) : "memory");
 }
 
+// ---- named barriers -------------------------------------------------------------------------------
+// Barrier `id` (1-15; 0 is __syncthreads) over `threads` threads (a multiple of 32): one warpgroup can
+// synchronise without the rest of the CTA.
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // ---- clusters -------------------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t cluster_ctarank() {
   uint32_t rank;

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -18,7 +19,8 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
                     int64_t threads, int64_t thr_full, int64_t thr_last, int64_t thr_heavy, int64_t cluster);
 void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                      at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz, int64_t ctas,
-                     int64_t cluster, int64_t tile_m);
+                     int64_t cluster, int64_t tile_m, int64_t k_splits,
+                     const c10::optional<at::Tensor>& split_arrivals);
 void decode_gate_twell(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                        at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz,
                        int64_t cluster);
@@ -29,7 +31,8 @@ void decode_dense_gemv(const at::Tensor& a, const at::Tensor& b, const c10::opti
 void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
                       const at::Tensor& block_nnz, const c10::optional<at::Tensor>& gate_packed,
                       const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
-                      int64_t thr_heavy, int64_t ctas, int64_t cluster, int64_t tile_m);
+                      int64_t thr_heavy, int64_t ctas, int64_t cluster, int64_t tile_m, int64_t k_splits,
+                      const c10::optional<at::Tensor>& split_arrivals);
 void rebuild_dense_gate(const at::Tensor& packed, const at::Tensor& counts, at::Tensor& dense,
                         const at::Tensor& block_nnz, int64_t thr_full, int64_t thr_last, int64_t thr_heavy);
 
@@ -38,6 +41,35 @@ void rebuild_dense_gate(const at::Tensor& packed, const at::Tensor& counts, at::
 inline bool tma_compatible(const at::Tensor& t) {
   return t.dim() == 2 && t.stride(1) == 1 && (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16) == 0 &&
          (t.stride(0) * t.element_size()) % 16 == 0;
+}
+
+constexpr int kMaxKSplits = 16;
+// The fewest K-slices an automatic split leaves a range. Below it the split stopped paying (H100, 2B
+// shape, dense path, per kernel): the down projection (88 slices, 16 column tiles at M = 128) took
+// 32.6 us whole, 22.9 / 20.1 / 19.7 us in 2 / 3 / 4 ranges, 23.9 us in 8; the gate (32 slices, 44 column
+// tiles) took 20.5 us whole and 22.2 us in 2 ranges.
+constexpr int kMinSplitSteps = 20;
+
+// The wgmma GEMMs (csrc/twell_gemm.cu) at small M: K split over several CTAs per output tile.
+struct KSplit {
+  int splits, steps;  // K ranges per tile, K-slices per range (the last range may have fewer)
+};
+
+// K ranges per output tile. Automatic (requested 0): where the 128 x 128 tiles are fewer than the CTAs,
+// as many ranges as keep one unit per CTA and kMinSplitSteps slices per range, so only a long K split
+// (the dense path's down projection at small M: 4 ranges at M <= 256 on 132 SMs). Any choice is cut
+// back so that no range is empty.
+inline KSplit choose_k_split(int64_t tiles, int k_steps, int64_t ctas, int64_t requested) {
+  int64_t splits = 1;
+  if (requested > 0) {
+    splits = std::min<int64_t>(requested, k_steps);
+  } else if (tiles < ctas) {
+    splits = std::max<int64_t>(1, std::min<int64_t>({kMaxKSplits, k_steps / kMinSplitSteps, ctas / tiles}));
+  }
+  KSplit split;
+  split.steps = static_cast<int>((k_steps + splits - 1) / splits);
+  split.splits = (k_steps + split.steps - 1) / split.steps;
+  return split;
 }
 
 // Everything about one call that follows from its shapes and the settings, decided in Python
@@ -53,6 +85,7 @@ struct MlpPlan {
   int64_t gemm_cluster = 2;        // and their schedules
   int64_t gemm_tile_m = 128;
   int64_t down_gemm_tile_m = 256;
+  int64_t gemm_k_splits = 0;       // K ranges per tile (0: chosen per GEMM, 1: none)
   int64_t sparse_splits = 1;       // the sparse kernel's launch
   int64_t sparse_threads = 128;
   int64_t sparse_cluster = 1;

@@ -20,7 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Gate GEMM relu(x W^T + b) written in the TwELL layout (see csrc/twell_gemm.cu)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("packed"),
         pybind11::arg("counts"), pybind11::arg("dense"), pybind11::arg("block_nnz"), pybind11::arg("ctas"),
-        pybind11::arg("cluster") = 2, pybind11::arg("tile_m") = 128);
+        pybind11::arg("cluster") = 2, pybind11::arg("tile_m") = 128, pybind11::arg("k_splits") = 0,
+        pybind11::arg("split_arrivals") = pybind11::none());
   m.def("decode_gate_twell", &twell::decode_gate_twell,
         "Gate GEMV relu(x W^T + b) of at most 64 rows in the TwELL layout (see csrc/twell_decode_gemv.cu)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("packed"),
@@ -37,7 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("bias"), pybind11::arg("c"), pybind11::arg("block_nnz"),
         pybind11::arg("gate_packed"), pybind11::arg("gate_counts"), pybind11::arg("thr_full"), pybind11::arg("thr_last"),
         pybind11::arg("thr_heavy"), pybind11::arg("ctas"), pybind11::arg("cluster") = 2,
-        pybind11::arg("tile_m") = 128);
+        pybind11::arg("tile_m") = 128, pybind11::arg("k_splits") = 0, pybind11::arg("split_arrivals") = pybind11::none());
   m.def("rebuild_dense_gate", &twell::rebuild_dense_gate,
         "relu(gate) of the dense blocks' rows into dense, from the TwELL format (csrc/twell_gate_rebuild.cu)",
         pybind11::arg("packed"), pybind11::arg("counts"), pybind11::arg("dense"), pybind11::arg("block_nnz"),
@@ -53,6 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("gemm_cluster", &twell::MlpPlan::gemm_cluster)
       .def_readwrite("gemm_tile_m", &twell::MlpPlan::gemm_tile_m)
       .def_readwrite("down_gemm_tile_m", &twell::MlpPlan::down_gemm_tile_m)
+      .def_readwrite("gemm_k_splits", &twell::MlpPlan::gemm_k_splits)
       .def_readwrite("sparse_splits", &twell::MlpPlan::sparse_splits)
       .def_readwrite("sparse_threads", &twell::MlpPlan::sparse_threads)
       .def_readwrite("sparse_cluster", &twell::MlpPlan::sparse_cluster)

@@ -53,6 +53,7 @@
 #include <cuda_fp16.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cluster_launch.cuh"
@@ -103,25 +104,35 @@ __device__ __forceinline__ void tile_coords(int tile, int n_tiles_m, int n_tiles
   pn = r / rows_in_group;
 }
 
-// The tiles a persistent CTA computes: units strided over the grid in grouped order. With 2-CTA clusters
-// a unit is a pair of horizontally adjacent tiles, one per CTA of the cluster (rank 0 the left).
+// The work a persistent CTA does: units strided over the grid in grouped order. With 2-CTA clusters a
+// unit is a pair of horizontally adjacent tiles, one per CTA of the cluster (rank 0 the left). With K
+// split in `splits` ranges of `split_steps` K-slices (the last maybe shorter), a unit is one range of
+// one tile (pair); the ranges of a tile are adjacent units.
 template <int kCluster>
 struct TileWalk {
-  int first, stride, n_tiles_m, n_tiles_n, group_m, rank;
-  __device__ __forceinline__ TileWalk(int n_tiles_m_, int n_tiles_n_, int group_m_)
+  int first, stride, n_tiles_m, n_tiles_n, group_m, rank, splits, split_steps, k_steps;
+  __device__ __forceinline__ TileWalk(int n_tiles_m_, int n_tiles_n_, int group_m_, int splits_, int split_steps_,
+                                      int k_steps_)
       : first(static_cast<int>(blockIdx.x) / kCluster),
         stride(static_cast<int>(gridDim.x) / kCluster),
         n_tiles_m(n_tiles_m_),
         n_tiles_n(n_tiles_n_),
         group_m(group_m_),
-        rank(kCluster == 1 ? 0 : static_cast<int>(ptx::cluster_ctarank())) {}
+        rank(kCluster == 1 ? 0 : static_cast<int>(ptx::cluster_ctarank())),
+        splits(splits_),
+        split_steps(split_steps_),
+        k_steps(k_steps_) {}
   __device__ __forceinline__ int units_n() const { return (n_tiles_n + kCluster - 1) / kCluster; }
-  __device__ __forceinline__ int n_units() const { return n_tiles_m * units_n(); }
-  __device__ __forceinline__ void coords(int unit, int& pm, int& pn) const {
+  __device__ __forceinline__ int n_units() const { return n_tiles_m * units_n() * splits; }
+  __device__ __forceinline__ void coords(int unit, int& pm, int& pn, int& split) const {
     int spn;
-    tile_coords(unit, n_tiles_m, units_n(), group_m, pm, spn);
+    split = unit % splits;
+    tile_coords(unit / splits, n_tiles_m, units_n(), group_m, pm, spn);
     pn = spn * kCluster + rank;
   }
+  // The unit's K-slices: [first_step, first_step + steps).
+  __device__ __forceinline__ int first_step(int split) const { return split * split_steps; }
+  __device__ __forceinline__ int steps(int split) const { return min(split_steps, k_steps - split * split_steps); }
   // The last cluster's last ranks may be past the last column tile: they still load (their peers need
   // their share of A) but store nothing.
   __device__ __forceinline__ bool real(int pn) const { return kCluster == 1 || pn < n_tiles_n; }
@@ -141,6 +152,9 @@ struct EpilogueArgs {
   uint32_t* packed;  // pack: written; gate times up: the gate read from it
   int* counts;       // likewise
   int* block_nnz;    // written by pack, read by the dense-path epilogues
+  float4* split_partials;  // K split (k_splits > 1): [n_tiles_m * n_tiles_n, k_splits, 32, 128] partial tiles
+  int* split_arrivals;     // [n_tiles_m * n_tiles_n]: the K ranges of each tile done so far (zero on entry)
+  int k_splits, split_steps;  // K ranges per tile (1: no split) and K-slices per range
   int M, N, n_tiles_n, cap;
   bool slots_vec8;            // gate times up: cap >= 8, cap % 4 == 0 and packed 16-byte aligned
   DenseBlockTest dense_test;  // dense-path epilogues only
@@ -451,7 +465,7 @@ __device__ __forceinline__ bool setup(uint8_t* smem_raw, const EpilogueArgs& arg
 // wholly past the end is replaced by rows 0 (those results are never stored).
 template <Epilogue kMode, int kCluster, int kTileM>
 __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map, const Smem& sm,
-                                        const BlockFilter& filter, int k_steps, int rows, const TileWalk<kCluster>& walk) {
+                                        const BlockFilter& filter, int rows, const TileWalk<kCluster>& walk) {
   using S = Schedule<kTileM>;
   ptx::setmaxnreg_dec<kProducerRegs>();
   if (threadIdx.x != 0) return;
@@ -459,10 +473,11 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
   ptx::prefetch_tensor_map(b_map);
   uint32_t it = 0;
   for (int unit = walk.first; unit < walk.n_units(); unit += walk.stride) {
-    int pm, pn;
-    walk.coords(unit, pm, pn);
+    int pm, pn, split;
+    walk.coords(unit, pm, pn, split);
     if (kMode != Epilogue::kTwellPack && !filter.any_dense<S::kBlocksPerTile>(pm)) continue;
-    for (int ks = 0; ks < k_steps; ++ks, ++it) {
+    const int k_end = walk.first_step(split) + walk.steps(split);
+    for (int ks = walk.first_step(split); ks < k_end; ++ks, ++it) {
       const uint32_t stage = it % S::kStages;
       ptx::mbarrier_wait(&sm.empty[stage], ((it / S::kStages) & 1) ^ 1);
       ptx::mbarrier_arrive_expect_tx(&sm.full[stage], S::kStageBytes);
@@ -487,11 +502,62 @@ __device__ __forceinline__ void release_stage(const Smem& sm, uint32_t stage, in
   if constexpr (kCluster == 2) ptx::mbarrier_arrive_cluster(&sm.empty[stage], static_cast<uint32_t>(rank ^ 1));
 }
 
+// K split (small M, where the output tiles are too few for the SMs): each K range of a 128-row tile ends
+// here with its fp32 partial sums in acc_top / acc_bottom. They are parked in global memory, each thread
+// its 128 values as 32 float4 (coalesced across the warpgroup); the range that arrives last at the
+// tile's counter then sums every range's partial in range order into acc (the same sum whichever
+// arrives last, so results are deterministic) and returns true: it alone runs the epilogue. The counter
+// is left at k_splits (the caller zeroes the counters per launch). Fence, barrier, counter, barrier,
+// fence: the usual last-block pattern, with the warpgroup's named barrier standing for the CTA's.
+// acc += one chain's parked partial (16 float4 per thread, 128 apart), loaded all before the adds.
+__device__ __forceinline__ void add_partial(float (&acc)[64], const float4* part) {
+  float4 v[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = __ldcg(part + i * 128);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    acc[4 * i] += v[i].x, acc[4 * i + 1] += v[i].y, acc[4 * i + 2] += v[i].z, acc[4 * i + 3] += v[i].w;
+  }
+}
+
+__device__ __forceinline__ bool sum_split_partials(float (&acc_top)[64], float (&acc_bottom)[64], int tile, int split,
+                                                  int consumer, int t, const EpilogueArgs& args) {
+  __shared__ int finishes[2];  // per consumer warpgroup: whether its range is the tile's last
+  constexpr int kVecs = 32;    // float4 per thread
+  float4* partials = args.split_partials + static_cast<int64_t>(tile) * args.k_splits * kVecs * 128 + t;
+  float4* mine = partials + static_cast<int64_t>(split) * kVecs * 128;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    mine[i * 128] = make_float4(acc_top[4 * i], acc_top[4 * i + 1], acc_top[4 * i + 2], acc_top[4 * i + 3]);
+    mine[(16 + i) * 128] =
+        make_float4(acc_bottom[4 * i], acc_bottom[4 * i + 1], acc_bottom[4 * i + 2], acc_bottom[4 * i + 3]);
+  }
+  __threadfence();
+  ptx::named_barrier_sync(1 + consumer, 128);
+  if (t == 0) finishes[consumer] = atomicAdd(&args.split_arrivals[tile], 1) == args.k_splits - 1;
+  ptx::named_barrier_sync(1 + consumer, 128);
+  if (!finishes[consumer]) return false;
+  __threadfence();
+  // Range 0 first, then the others added in order; L2 reads (__ldcg): other SMs wrote them.
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float4 v = __ldcg(partials + i * 128), w = __ldcg(partials + (16 + i) * 128);
+    acc_top[4 * i] = v.x, acc_top[4 * i + 1] = v.y, acc_top[4 * i + 2] = v.z, acc_top[4 * i + 3] = v.w;
+    acc_bottom[4 * i] = w.x, acc_bottom[4 * i + 1] = w.y, acc_bottom[4 * i + 2] = w.z, acc_bottom[4 * i + 3] = w.w;
+  }
+  for (int s = 1; s < args.k_splits; ++s) {
+    const float4* part = partials + static_cast<int64_t>(s) * kVecs * 128;
+    add_partial(acc_top, part);
+    add_partial(acc_bottom, part + 16 * 128);
+  }
+  return true;
+}
+
 // Consumer warpgroups, mainloop then epilogue per tile (see the file comment). Ping-pong: the consumers
 // take alternate kept tiles, all 128 rows each. Cooperative: both take every tile, 128 rows each.
 template <typename T, Epilogue kMode, int kCluster, int kTileM>
 __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm, const BlockFilter& filter,
-                                        int k_steps, const TileWalk<kCluster>& walk) {
+                                        const TileWalk<kCluster>& walk) {
   using S = Schedule<kTileM>;
   ptx::setmaxnreg_inc<kConsumerRegs>();
   const int consumer = static_cast<int>(threadIdx.x) / 128 - 1;
@@ -502,14 +568,18 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
 #pragma unroll
   for (int i = 0; i < 64; ++i) acc_top[i] = acc_bottom[i] = 0.f;
 
-  // Every role applies the same filter, so the k-th tile kept is the same for all (ping-pong: consumer
-  // k % 2 computes it; at ring position k * k_steps in both schedules).
+  // Every role applies the same filter, so the k-th unit kept is the same for all (ping-pong: consumer
+  // k % 2 computes it), and so is its ring position (the K-slices of the units kept before it).
   int kept = 0;
+  uint32_t ring = 0;
   for (int unit = walk.first; unit < walk.n_units(); unit += walk.stride) {
-    int pm, pn;
-    walk.coords(unit, pm, pn);
+    int pm, pn, split;
+    walk.coords(unit, pm, pn, split);
     if (kMode != Epilogue::kTwellPack && !filter.any_dense<S::kBlocksPerTile>(pm)) continue;
     const int j = kept++;
+    const int k_steps = walk.steps(split);
+    uint32_t it = ring;
+    ring += k_steps;
     if constexpr (!S::kCoop) {
       if (j % 2 != consumer) continue;
       // Tile j waits until the other consumer has all of tile j - 1 (its ((j - 1) / 2)-th turn).
@@ -517,7 +587,6 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
     }
     const int block = pm * S::kBlocksPerTile + (S::kCoop ? consumer : 0);  // this consumer's decision block
     const int first_row = pm * kTileM + tile_row0;
-    uint32_t it = static_cast<uint32_t>(j) * k_steps;
     if constexpr (S::kCoop) {
       // Rows past the end, or on the dense path a block left to the sparse path, need no MMAs (the
       // other consumer then has the tensor cores to itself): the stages are only received and released
@@ -569,6 +638,12 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
     fence_operands(acc_bottom);
     if (lane == 0) release_stage<kCluster>(sm, prev_stage, walk.rank);
     if (!walk.real(pn)) continue;
+    if constexpr (!S::kCoop) {  // (K is split only in ping-pong: dispatch)
+      if (walk.splits > 1 &&
+          !sum_split_partials(acc_top, acc_bottom, pm * args.n_tiles_n + pn, split, consumer, t, args)) {
+        continue;  // another K range of this tile finishes it
+      }
+    }
 
     const int row0 = first_row + warp * 16 + lane / 4;
     int nnz = 0, overflowed = 0;
@@ -602,11 +677,11 @@ __global__ void __launch_bounds__(kThreads, 1) twell_gemm_kernel(
   BlockFilter filter;
   if (!setup<kMode, kCluster, kTileM>(smem_raw, args, sm, filter)) return;
   const int k_steps = (K + kBlockK - 1) / kBlockK;
-  const TileWalk<kCluster> walk(n_tiles_m, n_tiles_n, group_m);
+  const TileWalk<kCluster> walk(n_tiles_m, n_tiles_n, group_m, args.k_splits, args.split_steps, k_steps);
   if (threadIdx.x < 128) {
-    produce<kMode, kCluster, kTileM>(&a_map, &b_map, sm, filter, k_steps, args.M, walk);
+    produce<kMode, kCluster, kTileM>(&a_map, &b_map, sm, filter, args.M, walk);
   } else {
-    consume<T, kMode, kCluster, kTileM>(args, sm, filter, k_steps, walk);
+    consume<T, kMode, kCluster, kTileM>(args, sm, filter, walk);
   }
   // The peer may still multicast into this CTA's stages or arrive on its barriers: leave together.
   if constexpr (kCluster > 1) ptx::cluster_sync();
@@ -649,7 +724,7 @@ void launch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, 
   auto kernel = twell_gemm_kernel<T, kMode, kCluster, kTileM>;
   const CUtensorMap a_map = operand_map(a, kTileM / kCluster), b_map = operand_map(b, kBlockN);
   const int n_tiles_m = static_cast<int>((a.size(0) + kTileM - 1) / kTileM);
-  const int64_t units = cluster_units(n_tiles_m, args.n_tiles_n, kCluster);
+  const int64_t units = cluster_units(n_tiles_m, args.n_tiles_n, kCluster) * args.k_splits;
   constexpr int kGroupM = 8;
   int clusters = std::max(ctas / kCluster, 1);
   KernelLaunch kernel_launch(kernel, dim3(static_cast<unsigned>(clusters * kCluster)), kThreads, kSmemBytes, kCluster);
@@ -676,7 +751,7 @@ void launch_dtype(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& 
 template <Epilogue kMode, int kTileM>
 void launch_cluster(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, int64_t ctas, int64_t cluster) {
   const int64_t n_tiles_m = (a.size(0) + kTileM - 1) / kTileM;
-  if (cluster == 2 && cluster_units(n_tiles_m, args.n_tiles_n, 2) >= ctas / 2) {
+  if (cluster == 2 && cluster_units(n_tiles_m, args.n_tiles_n, 2) * args.k_splits >= ctas / 2) {
     launch_dtype<kMode, 2, kTileM>(a, b, args, ctas);
   } else {
     launch_dtype<kMode, 1, kTileM>(a, b, args, ctas);
@@ -687,13 +762,41 @@ void launch_cluster(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs
 // tile pairs to keep every pair busy, else single CTAs; 1 always single CTAs. (Clusters of 4 along N
 // were tried: correct, but the 2B gate took 7.7 ms against 4.8 ms for pairs on an H200.)
 // tile_m: 256 runs the cooperative schedule when its tiles fill the grid, else ping-pong; 128 always
-// ping-pong.
+// ping-pong. k_splits: K ranges per tile (0 automatic, see choose_k_split; 1 none); a split GEMM runs
+// ping-pong in single CTAs, and parks its partial tiles in a workspace from PyTorch's allocator. Its per-tile arrival
+// counters must start at zero: split_arrivals where the caller zeroes them with other counters,
+// else zeroed here (one more kernel).
 template <Epilogue kMode>
-void dispatch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, int64_t ctas, int64_t cluster,
-              int64_t tile_m) {
+void dispatch(const at::Tensor& a, const at::Tensor& b, EpilogueArgs args, int64_t ctas, int64_t cluster,
+              int64_t tile_m, int64_t k_splits, const c10::optional<at::Tensor>& split_arrivals) {
   TORCH_CHECK(cluster == 1 || cluster == 2, "twell: cluster must be 1 or 2");
   TORCH_CHECK(tile_m == 128 || tile_m == 256, "twell: tile_m must be 128 or 256");
+  TORCH_CHECK(k_splits >= 0 && k_splits <= kMaxKSplits, "twell: k_splits must be 0 (automatic) to 16");
+  TORCH_CHECK(ctas >= 1, "twell: ctas must be positive");
   const c10::cuda::CUDAGuard guard(a.device());
+  const int64_t tiles = (a.size(0) + kBlockM - 1) / kBlockM * args.n_tiles_n;
+  const KSplit split = choose_k_split(tiles, static_cast<int>((a.size(1) + kBlockK - 1) / kBlockK), ctas, k_splits);
+  args.k_splits = split.splits;
+  args.split_steps = split.steps;
+  if (split.splits > 1) {
+    // Freed once the launch is queued: the caching allocator hands the memory out again only to work
+    // queued after it on this stream.
+    const at::Tensor partials = at::empty({tiles * split.splits * kBlockM * kBlockN}, a.options().dtype(at::kFloat));
+    at::Tensor arrivals;
+    if (split_arrivals.has_value()) {  // zeroed by the caller along with other counters (one memset)
+      arrivals = *split_arrivals;
+      TORCH_CHECK(arrivals.is_contiguous() && arrivals.scalar_type() == at::kInt && arrivals.numel() >= tiles &&
+                      arrivals.device() == a.device(),
+                  "twell: split_arrivals must be int32 with one element per 128 x 128 output tile");
+    } else {
+      arrivals = at::zeros({tiles}, a.options().dtype(at::kInt));
+    }
+    args.split_partials = reinterpret_cast<float4*>(partials.data_ptr<float>());
+    args.split_arrivals = arrivals.data_ptr<int>();
+    // Single CTAs: both gate-shaped GEMMs ran slower split in pairs (H100, M = 128: the gate 25.6 us in
+    // 3 ranges, against 20.5 us whole).
+    return launch_cluster<kMode, 128>(a, b, args, ctas, 1);
+  }
   if (tile_m == 256 && (a.size(0) + 255) / 256 * args.n_tiles_n >= ctas) {
     launch_cluster<kMode, 256>(a, b, args, ctas, cluster);
   } else {
@@ -722,10 +825,12 @@ void check_operands(const at::Tensor& a, const at::Tensor& b, const c10::optiona
 }  // namespace
 
 // TwELL-pack epilogue (see the file comment). `ctas`: the persistent grid (the number of SMs); `cluster`:
-// 2 for pairs of CTAs sharing A tiles where the shape allows, 1 for single CTAs.
+// 2 for pairs of CTAs sharing A tiles where the shape allows, 1 for single CTAs; `tile_m` and `k_splits`:
+// see dispatch.
 void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                      at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz, int64_t ctas,
-                     int64_t cluster, int64_t tile_m) {
+                     int64_t cluster, int64_t tile_m, int64_t k_splits,
+                     const c10::optional<at::Tensor>& split_arrivals) {
   check_operands(x, w, bias, dense);
   const int64_t M = x.size(0), F = w.size(0);
   const int64_t n_tiles_n = (F + kBlockN - 1) / kBlockN;
@@ -746,7 +851,7 @@ void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::option
   args.N = static_cast<int>(F);
   args.n_tiles_n = static_cast<int>(n_tiles_n);
   args.cap = static_cast<int>(packed.size(2));
-  dispatch<Epilogue::kTwellPack>(x, w, args, ctas, cluster, tile_m);
+  dispatch<Epilogue::kTwellPack>(x, w, args, ctas, cluster, tile_m, k_splits, split_arrivals);
 }
 
 // Dense path, rows of dense blocks only: c = a b^T (+ bias); or, given the gate's TwELL output
@@ -755,7 +860,8 @@ void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::option
 void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
                       const at::Tensor& block_nnz, const c10::optional<at::Tensor>& gate_packed,
                       const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
-                      int64_t thr_heavy, int64_t ctas, int64_t cluster, int64_t tile_m) {
+                      int64_t thr_heavy, int64_t ctas, int64_t cluster, int64_t tile_m, int64_t k_splits,
+                      const c10::optional<at::Tensor>& split_arrivals) {
   check_operands(a, b, bias, c);
   const int64_t M = a.size(0), N = b.size(0);
   const int64_t n_tiles_n = (N + kBlockN - 1) / kBlockN;
@@ -784,9 +890,9 @@ void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optio
     args.counts = gate_counts->data_ptr<int>();
     args.cap = static_cast<int>(gate_packed->size(2));
     args.slots_vec8 = args.cap >= 8 && args.cap % 4 == 0 && reinterpret_cast<uintptr_t>(args.packed) % 16 == 0;
-    dispatch<Epilogue::kGateTimesUp>(a, b, args, ctas, cluster, tile_m);
+    dispatch<Epilogue::kGateTimesUp>(a, b, args, ctas, cluster, tile_m, k_splits, split_arrivals);
   } else {
-    dispatch<Epilogue::kStore>(a, b, args, ctas, cluster, tile_m);
+    dispatch<Epilogue::kStore>(a, b, args, ctas, cluster, tile_m, k_splits, split_arrivals);
   }
 }
 

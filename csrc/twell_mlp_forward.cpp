@@ -23,6 +23,16 @@ bool aligned_rows(const at::Tensor& t) { return tma_compatible(t) && t.is_contig
 
 bool contiguous_or_absent(const c10::optional<at::Tensor>& t) { return !t.has_value() || t->is_contiguous(); }
 
+// Arrival counters a wgmma GEMM of `tiles` 128 x 128 output tiles and reduction length K needs: one per
+// tile where it splits K, else none.
+int64_t split_counters(const MlpPlan& plan, int64_t tiles, int64_t K) {
+  return choose_k_split(tiles, static_cast<int>((K + 63) / 64), plan.ctas, plan.gemm_k_splits).splits > 1 ? tiles : 0;
+}
+
+c10::optional<at::Tensor> counters_at(const at::Tensor& zeroed, int64_t offset, int64_t count) {
+  return count > 0 ? c10::optional<at::Tensor>(zeroed.narrow(0, offset, count)) : c10::nullopt;
+}
+
 }  // namespace
 
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
@@ -47,8 +57,17 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   at::Tensor packed = at::empty({M, n_tiles, plan.cap}, ints);
   at::Tensor counts = at::empty({M, n_tiles}, ints);
   at::Tensor dense = at::empty({M, F}, x.options());
-  at::Tensor block_nnz = at::empty({2 * n_blocks}, ints);  // active units; row-tiles past capacity
-  C10_CUDA_CHECK(cudaMemsetAsync(block_nnz.data_ptr(), 0, block_nnz.nbytes(), c10::cuda::getCurrentCUDAStream()));
+  // One memset zeroes every counter of the call: the block totals (active units; row-tiles past
+  // capacity), then the wgmma GEMMs' K-split arrivals (gate, gate times up, down).
+  const int64_t gate_tiles = n_blocks * ((F + 127) / 128), down_tiles = n_blocks * ((D + 127) / 128);
+  const int64_t K = x.size(1);
+  const int64_t gate_arrivals = plan.decode_gate ? 0 : split_counters(plan, gate_tiles, K);
+  const int64_t up_arrivals = plan.decode_dense || !gated ? 0 : split_counters(plan, gate_tiles, K);
+  const int64_t down_arrivals = plan.decode_dense ? 0 : split_counters(plan, down_tiles, F);
+  at::Tensor zeroed = at::empty({2 * n_blocks + gate_arrivals + up_arrivals + down_arrivals}, ints);
+  C10_CUDA_CHECK(cudaMemsetAsync(zeroed.data_ptr(), 0, zeroed.nbytes(), c10::cuda::getCurrentCUDAStream()));
+  at::Tensor block_nnz = zeroed.narrow(0, 0, 2 * n_blocks);
+  const int64_t up_at = 2 * n_blocks + gate_arrivals, down_at = up_at + up_arrivals;
   if (plan.poison) {
     out.fill_(std::numeric_limits<double>::quiet_NaN());
     dense.fill_(std::numeric_limits<double>::quiet_NaN());
@@ -59,7 +78,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   if (plan.decode_gate) {
     decode_gate_twell(x, w_act, b_act, packed, counts, dense, block_nnz, plan.gemv_cluster);
   } else {
-    gate_twell_gemm(x, w_act, b_act, packed, counts, dense, block_nnz, plan.ctas, plan.gemm_cluster, plan.gemm_tile_m);
+    gate_twell_gemm(x, w_act, b_act, packed, counts, dense, block_nnz, plan.ctas, plan.gemm_cluster, plan.gemm_tile_m,
+                    plan.gemm_k_splits, counters_at(zeroed, 2 * n_blocks, gate_arrivals));
   }
   const c10::optional<at::Tensor> x_if_gated = gated ? c10::optional<at::Tensor>(x) : c10::nullopt;
   sparse_mlp_out(x_if_gated, packed, counts, dense, block_nnz, w_up, b_up, w_down_t, b_down, out, plan.tile_n,
@@ -73,7 +93,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
                       plan.gemv_cluster);
   } else if (gated) {
     dense_block_gemm(x, *w_up, b_up, dense, block_nnz, packed, counts, plan.thr_full, plan.thr_last, plan.thr_heavy,
-                     plan.ctas, plan.gemm_cluster, plan.gemm_tile_m);
+                     plan.ctas, plan.gemm_cluster, plan.gemm_tile_m, plan.gemm_k_splits,
+                     counters_at(zeroed, up_at, up_arrivals));
   } else {
     rebuild_dense_gate(packed, counts, dense, block_nnz, plan.thr_full, plan.thr_last, plan.thr_heavy);
   }
@@ -82,7 +103,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
                       plan.thr_heavy, plan.gemv_cluster);
   } else {
     dense_block_gemm(dense, w_down, b_down, out, block_nnz, c10::nullopt, c10::nullopt, plan.thr_full, plan.thr_last,
-                     plan.thr_heavy, plan.ctas, plan.gemm_cluster, plan.down_gemm_tile_m);
+                     plan.thr_heavy, plan.ctas, plan.gemm_cluster, plan.down_gemm_tile_m, plan.gemm_k_splits,
+                     counters_at(zeroed, down_at, down_arrivals));
   }
   return std::make_tuple(out, counts, block_nnz);
 }

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -22,7 +23,15 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--skew", action="store_true")
     parser.add_argument("--non-gated", action="store_true")
+    parser.add_argument("--dense-path", action="store_true", help="every block forced onto the dense path")
+    parser.add_argument("--k-splits", type=int, default=None, help="the wgmma GEMMs' K ranges per tile (0: automatic)")
     args = parser.parse_args()
+    from twell_compile.kernels import twell_mlp
+
+    if args.dense_path:
+        twell_mlp.config.dense_block_density = twell_mlp.config.decode_dense_block_density = 0.0
+    if args.k_splits is not None:
+        twell_mlp.config.gemm_k_splits = args.k_splits
     p = make_problem(args.m, args.hidden, args.intermediate, nnz_per_row=args.nnz, skew=args.skew,
                      gated=not args.non_gated)
 
@@ -38,8 +47,28 @@ def main() -> None:
         for _ in range(5):
             call()
         torch.cuda.synchronize()
-    print(f"GPU: {torch.cuda.get_device_name()}  M={args.m} nnz={args.nnz} skew={args.skew}  (5 calls)")
+    print(f"GPU: {torch.cuda.get_device_name()}  M={args.m} nnz={args.nnz} skew={args.skew} "
+          f"dense_path={args.dense_path} k_splits={args.k_splits}  (5 calls)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    # The same per kernel, under short names (the templates' epilogue tells the wgmma GEMMs apart).
+    for event in prof.key_averages():
+        if event.device_time_total > 0 and event.count:
+            print(f"  {short_name(event.key):<44} {event.count // 5:>3} per call  {event.device_time_total / event.count:9.1f} us")
+
+
+EPILOGUES = {"0": "pack (gate)", "1": "gate times up", "2": "store (down)"}
+
+
+def short_name(name: str) -> str:
+    """'twell_gemm_kernel<..., Epilogue)1, 2, 128>(...)' -> 'twell_gemm_kernel gate times up, 2, 128'."""
+    base = re.search(r"(\w+_kernel\w*|\w+)(?=<|\(|$)", name)
+    label = base.group(1) if base else name[:40]
+    epilogue = re.search(r"Epilogue\)(\d)(?:, (\d+), (\d+))?", name)
+    if epilogue:
+        label += f" {EPILOGUES.get(epilogue.group(1), epilogue.group(1))}"
+        if epilogue.group(2) and label.startswith("twell_gemm_kernel"):
+            label += f" c{epilogue.group(2)} m{epilogue.group(3)}"
+    return label
 
 
 if __name__ == "__main__":

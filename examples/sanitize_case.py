@@ -17,10 +17,13 @@ for m, (k, f, d), gated, density in [(7, (257, 1031, 131), True, float("inf")), 
                                      (7, (2048, 5632, 2048), False, 0.0),  # likewise, non-gated
                                      (520, (2048, 5632, 2048), True, 0.004),  # several tiles per CTA, mixed paths
                                      (1950, (200, 2600, 1400), True, 0.01),  # CTA pairs in all three GEMMs, odd tile counts
+                                     (300, (2056, 2600, 1400), True, 0.0),  # K split in 3 ranges in all three GEMMs
                                      (4126, (200, 2600, 1400), True, 0.01)]:  # cooperative 256-row tiles everywhere (below)
     # The last case: 256-row tiles in all three GEMMs, a last tile whose second half lies past the end,
     # and a tile of one dense and one sparse block on the dense path.
     twell_mlp.config.gemm_tile_m = twell_mlp.config.down_gemm_tile_m = 256 if m == 4126 else 128
+    # (The dense path at M = 130 splits the down projection's K by itself: 4 ranges.)
+    twell_mlp.config.gemm_k_splits = 3 if k == 2056 else 0
     twell_mlp.config.dense_block_density = twell_mlp.config.decode_dense_block_density = density
     twell_mlp.config.heavy_block_overflow_tiles = 2**31 - 1 if density == float("inf") else 16
     p = make_problem(m, k, f, d, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0,))

@@ -6,7 +6,8 @@ each split computes the token's up projections again), or the entry split: a clu
 token, each taking a share of its active units over all columns (256 threads). The call plan normally
 picks the entry split for calls of at most 128 rows; this measures where it pays. ``path/sparse`` and
 ``path/dense`` time the plan's own launch with every block forced onto the sparse or the dense path,
-which shows where the device-side choice between them should switch.
+which shows where the device-side choice between them should switch. ``ksplit/N`` sets the K ranges
+per tile of the wgmma GEMMs (gate, and the dense path past 64 rows); parts combine with ``+``.
 
     python examples/sweep_sparse_launch.py --m 128 256 512 1024 2048 4096 --nnz 24 39
 """
@@ -27,6 +28,8 @@ default_column_splits = twell_mlp._column_splits
 default_threads, default_cluster = twell_mlp._sparse_threads, twell_mlp._sparse_cluster
 default_thresholds = (twell_mlp.config.dense_block_density, twell_mlp.config.decode_dense_block_density,
                       twell_mlp.config.heavy_block_overflow_tiles)
+default_k_splits = twell_mlp.config.gemm_k_splits
+default_factor = twell_mlp.config.small_batch_density_factor
 
 
 def dense_mlp(x, wg, wu, wd):
@@ -34,35 +37,50 @@ def dense_mlp(x, wg, wu, wd):
 
 
 def use_choice(choice: str) -> None:
-    """Points the call plan at one launch choice (module-level hooks of twell_mlp) and drops cached plans.
-    ``path/sparse`` and ``path/dense`` keep the plan's launch and force every block onto one path;
-    ``heavy/N`` and ``density/X`` keep it and set one threshold of the dense-block test."""
-    kind, value, *splits = choice.split("/")
+    """Points the call plan at one launch choice (module-level hooks of twell_mlp and its config) and
+    drops cached plans. ``path/sparse`` and ``path/dense`` keep the plan's launch and force every block
+    onto one path; ``heavy/N`` and ``density/X`` keep it and set one threshold of the dense-block test
+    (``density/X`` the large-call density, which calls of 129-4096 rows scale by ``factor/F``);
+    ``ksplit/N`` sets the wgmma GEMMs' K ranges per tile (0: their own choice, 1: no split). Parts
+    joined by ``+`` combine (``path/dense+ksplit/1``)."""
     twell_mlp._column_splits = default_column_splits
+    twell_mlp._sparse_threads, twell_mlp._sparse_cluster = default_threads, default_cluster
     cfg = twell_mlp.config
     cfg.dense_block_density, cfg.decode_dense_block_density, cfg.heavy_block_overflow_tiles = default_thresholds
+    cfg.gemm_k_splits = default_k_splits
+    cfg.small_batch_density_factor = default_factor
+    for part in choice.split("+"):
+        _apply(part)
+    twell_mlp._PLANS.clear()
+
+
+def _apply(part: str) -> None:
+    kind, value, *splits = part.split("/")
+    cfg = twell_mlp.config
     if kind == "path":
-        twell_mlp._sparse_threads, twell_mlp._sparse_cluster = default_threads, default_cluster
         if value == "sparse":
             cfg.dense_block_density = cfg.decode_dense_block_density = float("inf")
             cfg.heavy_block_overflow_tiles = 2**31 - 1
         elif value == "dense":
             cfg.dense_block_density = cfg.decode_dense_block_density = 0.0
-    elif kind in ("heavy", "density"):  # the plan's launch, one threshold of the dense-block test changed
-        twell_mlp._sparse_threads, twell_mlp._sparse_cluster = default_threads, default_cluster
-        if kind == "heavy":
-            cfg.heavy_block_overflow_tiles = int(value)
-        else:
-            cfg.dense_block_density = cfg.decode_dense_block_density = float(value)
+    elif kind == "heavy":
+        cfg.heavy_block_overflow_tiles = int(value)
+    elif kind == "density":
+        cfg.dense_block_density = cfg.decode_dense_block_density = float(value)
+    elif kind == "factor":
+        cfg.small_batch_density_factor = float(value)
+    elif kind == "ksplit":
+        cfg.gemm_k_splits = int(value)
     elif kind == "columns":
         twell_mlp._sparse_threads = lambda m, threads=int(value): threads
         twell_mlp._sparse_cluster = lambda m, sms: 1
         if splits:
             twell_mlp._column_splits = lambda m, d, sms, vec8, n=int(splits[0]): n
-    else:
+    elif kind == "entries":
         twell_mlp._sparse_threads = lambda m: 256
         twell_mlp._sparse_cluster = lambda m, sms, cluster=int(value): cluster
-    twell_mlp._PLANS.clear()
+    else:
+        raise SystemExit(f"unknown choice {part!r}")
 
 
 def main() -> None:
@@ -74,7 +92,9 @@ def main() -> None:
     parser.add_argument("--choices", nargs="+", default=CHOICES,
                         help="columns/THREADS[/SPLITS] (SPLITS: the plan's own when left out), entries/CLUSTER, "
                              "path/sparse, path/dense (the plan's launch, every block forced onto one path), "
-                             "heavy/TILES or density/FRACTION (the plan's launch, that dense-block threshold set)")
+                             "heavy/TILES or density/FRACTION (the plan's launch, that dense-block threshold set; "
+                             "calls of 129-4096 rows scale the density by factor/F, default 0.5), "
+                             "ksplit/N (the wgmma GEMMs' K ranges per tile; 0 their own choice); join with +")
     args = parser.parse_args()
     rows = []
     for m in args.m:

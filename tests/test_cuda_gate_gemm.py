@@ -19,13 +19,15 @@ TILE = 128
 CAP = 8
 
 
-# (cluster, tile_m, ctas): ping-pong in single CTAs and in pairs on the whole GPU; the cooperative
-# schedule on a grid of 2 CTAs, so that it runs (rather than falling back to ping-pong for want of
-# tiles) at every shape, with many tiles per CTA.
-SCHEDULES = {"single": (1, 128, None), "pairs": (2, 128, None), "coop": (1, 256, 2), "coop-pairs": (2, 256, 2)}
+# (cluster, tile_m, ctas, k_splits): ping-pong in single CTAs and in pairs on the whole GPU; the
+# cooperative schedule on a grid of 2 CTAs, so that it runs (rather than falling back to ping-pong for
+# want of tiles) at every shape, with many tiles per CTA; K split in 3 ranges (unequal where the
+# K-slices do not divide by 3; one range where K is one slice) with many units per CTA.
+SCHEDULES = {"single": (1, 128, None, 1), "pairs": (2, 128, None, 1), "coop": (1, 256, 2, 1),
+             "coop-pairs": (2, 256, 2, 1), "split3": (2, 128, None, 3)}
 
 
-def _run_gate(x, w, bias, cap=CAP, cluster=2, tile_m=128, ctas=None, decode=False):
+def _run_gate(x, w, bias, cap=CAP, cluster=2, tile_m=128, ctas=None, k_splits=1, decode=False):
     from twell_compile.kernels import build
 
     m, f = x.shape[0], w.shape[0]
@@ -39,7 +41,8 @@ def _run_gate(x, w, bias, cap=CAP, cluster=2, tile_m=128, ctas=None, decode=Fals
     if decode:
         build.cuda_extension().decode_gate_twell(x, w, bias, packed, counts, dense, block_nnz)
     else:
-        build.cuda_extension().gate_twell_gemm(x, w, bias, packed, counts, dense, block_nnz, ctas, cluster, tile_m)
+        build.cuda_extension().gate_twell_gemm(x, w, bias, packed, counts, dense, block_nnz, ctas, cluster, tile_m,
+                                               k_splits)
     return packed, counts, dense, block_nnz
 
 
@@ -132,7 +135,9 @@ def test_gate_gemm_rejects_unaligned_rows():
 @pytest.mark.parametrize("schedule,message", [
     (dict(cluster=3), "cluster must be 1 or 2"),
     (dict(tile_m=64), "tile_m must be 128 or 256"),
-], ids=["cluster", "tile_m"])
+    (dict(k_splits=17), "k_splits must be 0 \\(automatic\\) to 16"),
+    (dict(k_splits=-1), "k_splits must be 0 \\(automatic\\) to 16"),
+], ids=["cluster", "tile_m", "k_splits_high", "k_splits_negative"])
 def test_gate_gemm_rejects_bad_schedule(schedule, message):
     x = torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)

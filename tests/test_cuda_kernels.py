@@ -245,6 +245,25 @@ def test_gemm_schedules_match_bitwise(gated, path):
 
 @requires_twell_kernels
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("path", ["dense", "auto"])
+def test_split_k_gemms_are_exact_and_deterministic(gated, path):
+    """Where the output tiles are few (small M), the wgmma GEMMs may split each tile's K over several
+    CTAs and sum the partial tiles in a fixed order (csrc/twell_gemm.cu). Every split count must be
+    exact and give the same bits from run to run. K = 2056 is 33 slices of 64 (the last one partial):
+    5 ranges are 7, 7, 7, 7 and 5 slices, and 16 requested become 11 ranges of 3. The down projection's
+    K = 2600 is 41 slices; the last of 3 row tiles has 44 rows; dense rows 0 and 200 put both full
+    blocks on the dense path (the automatic choice, 0, splits nothing at this K)."""
+    problem = make_problem(300, 2056, 2600, 1400, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0, 200))
+    for k_splits in (0, 2, 5, 16):
+        with kernel_config(gemm_k_splits=k_splits):
+            out, ref64, dense_same_dtype = _run(problem, gated, path)
+            again, _, _ = _run(problem, gated, path)
+        _check(out, ref64, dense_same_dtype, f"k_splits={k_splits} gated={gated} path={path}")
+        assert torch.equal(again, out), k_splits
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("m", [7, 300])
 def test_triton_kernels_alone_stay_exact(gated, path, m):

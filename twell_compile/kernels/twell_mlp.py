@@ -48,6 +48,15 @@ class KernelConfig:
     """A 128-row block whose fraction of active units exceeds this runs the dense GEMM path (1.5%, about
     84 of 5632: where the forced-sparse and forced-dense paths crossed on an H200 at the 2B shape,
     M = 131072: 16.4 against 16.9 ms at 81 active units per row)."""
+    small_batch_density_factor: float = float(os.environ.get("TWELL_SMALL_BATCH_DENSITY_FACTOR", "0.5"))
+    """Calls of 129 to ``SMALL_BATCH_ROWS`` rows scale ``dense_block_density`` by this (1.5% to 0.75%).
+    There the sparse kernel runs about one wave of CTAs, so a block's heaviest rows set its time, and
+    the near-threshold blocks of skewed activations were much slower sparse than dense (H100, CUDA
+    graphs, 2B shape, skewed data with 70-95 active units per row: M = 256, 138.6 against 76.9 us;
+    M = 1024, 214.4 against 150.3; M = 4096, 595.9 against 468.2). With uniform activations the
+    forced paths crossed between 56 and 80 units per row (1.0-1.4%): at 80, M = 1024 took 191.3 us sparse
+    and 150.7 dense; at 56, 155.6 and 150.0 (M = 4096: 432.2 and 465.5). 24-39 units per row are
+    untouched (examples/sweep_sparse_launch.py). Large calls keep 1.5%, measured at M = 131072."""
     heavy_block_overflow_tiles: int = 16
     """A 128-row block with more (row, tile) pairs past capacity than this also runs the dense path: on
     the sparse path a row with hundreds of active units is one CTA's sequential work (a straggler)."""
@@ -77,6 +86,11 @@ class KernelConfig:
     """The dense-path down GEMM's schedule (as gemm_tile_m). Its K is the intermediate size, so its
     mainloop is long beside its epilogue and the cooperative tiles pay (H200, 2B shape: 4.0-4.1 against
     4.4-4.5 ms)."""
+    gemm_k_splits: int = int(os.environ.get("TWELL_GEMM_K_SPLITS", "0"))
+    """K ranges per output tile of the wgmma GEMMs. 0: chosen per GEMM (csrc/twell_gemm.cu,
+    choose_k_split): where the 128 x 128 tiles are fewer than the SMs (small M: the 2B gate has 44
+    column tiles, its down projection 16), each tile's K is split over several CTAs and the partial
+    tiles are summed in a fixed order (deterministic); 1: never; 2-16: that many (for measurements)."""
     decode_gate_rows: int = int(os.environ.get("TWELL_DECODE_GATE_ROWS", "64"))
     """Calls of at most this many rows (64 at most) run the gate as a split-K GEMV over clusters of CTAs
     (csrc/twell_decode_gemv.cu) instead of the wgmma GEMM, which gives each 128-wide column tile to one
@@ -208,12 +222,21 @@ def _tma_ok(*tensors: Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
 
+SMALL_BATCH_ROWS = 4096  # the largest call config.small_batch_density_factor applies to
+
+
 def _dense_thresholds(m: int, f: int, entry_split: bool) -> tuple[int, int, int]:
     """Largest active count a full 128-row block, and the last (maybe partial) block, may have and
     still take the sparse path, and the most row-tiles past capacity a block may have. Plain integers
     from shapes and the settings: no device data involved. ``entry_split``: the sparse kernel splits
-    each row's units over a cluster (calls of at most 128 rows), which moves the crossover."""
-    density = config.decode_dense_block_density if entry_split else config.dense_block_density
+    each row's units over a cluster (calls of at most 128 rows), which moves the crossover; so does
+    a call of at most ``SMALL_BATCH_ROWS`` rows (``config.small_batch_density_factor``)."""
+    if entry_split:
+        density = config.decode_dense_block_density
+    elif m <= SMALL_BATCH_ROWS:
+        density = config.dense_block_density * config.small_batch_density_factor
+    else:
+        density = config.dense_block_density
 
     def threshold(rows: int) -> int:
         limit = rows * f * density
@@ -353,6 +376,7 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     cuda.gemv_cluster = config.decode_gemv_cluster
     cuda.ctas, cuda.gemm_cluster = sms, config.gemm_cluster
     cuda.gemm_tile_m, cuda.down_gemm_tile_m = config.gemm_tile_m, config.down_gemm_tile_m
+    cuda.gemm_k_splits = config.gemm_k_splits
     cuda.sparse_splits, cuda.sparse_threads, cuda.sparse_cluster = launch.splits, launch.threads, launch.cluster
     cuda.thr_full, cuda.thr_last, cuda.thr_heavy = thresholds
     cuda.poison, cuda.poison_word, cuda.poison_count = config.poison_buffers, _POISON_WORD, _POISON_COUNT
@@ -436,7 +460,7 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
                               config.decode_gemv_cluster)
     elif cuda_gate:
         ext.gate_twell_gemm(x2, act_weight, act_bias, packed, counts, dense, block_nnz, sms, config.gemm_cluster,
-                            config.gemm_tile_m)
+                            config.gemm_tile_m, config.gemm_k_splits)
     else:
         _triton_gate(plan, x2, act_weight, act_bias, packed, counts, dense, block_nnz, n_tiles)
 
@@ -462,7 +486,7 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
                                   config.decode_gemv_cluster)
         elif gated:
             ext.dense_block_gemm(x2, up_weight, up_bias, dense, block_nnz, packed, counts, *thresholds, sms,
-                                 config.gemm_cluster, config.gemm_tile_m)
+                                 config.gemm_cluster, config.gemm_tile_m, config.gemm_k_splits)
         else:
             ext.rebuild_dense_gate(packed, counts, dense, block_nnz, *thresholds)
         if decode:
@@ -470,7 +494,7 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
                                   config.decode_gemv_cluster)
         else:
             ext.dense_block_gemm(dense, down_weight, down_bias, out, block_nnz, None, None, *thresholds, sms,
-                                 config.gemm_cluster, config.down_gemm_tile_m)
+                                 config.gemm_cluster, config.down_gemm_tile_m, config.gemm_k_splits)
     else:
         _triton_dense_path(plan, gated, x2, up_weight, up_bias, down_weight, down_bias, packed, counts, dense,
                            block_nnz, out, thresholds)
