@@ -41,6 +41,10 @@
 // gate against cuBLAS's 23 GB (Nsight Compute), drew more power and ran at a lower SM clock (1396 against
 // 1523 MHz); pairs cut the traffic to 40 GB.
 //
+// Where the output tiles are fewer than the SMs and K is long (small M: the 2B dense path's down
+// projection), each tile's K may be split over several CTAs (sum_split_partials; choose_k_split in
+// twell_entries.h): fp32 partial tiles parked in a workspace, summed in a fixed order by the last range.
+//
 // The epilogues need no shared memory: in the wgmma accumulator layout a row's 128 columns sit in the 4
 // lanes of a quad (32 each), so a row's count and each lane's slot offset are a popcount and two shuffles.
 
@@ -502,13 +506,6 @@ __device__ __forceinline__ void release_stage(const Smem& sm, uint32_t stage, in
   if constexpr (kCluster == 2) ptx::mbarrier_arrive_cluster(&sm.empty[stage], static_cast<uint32_t>(rank ^ 1));
 }
 
-// K split (small M, where the output tiles are too few for the SMs): each K range of a 128-row tile ends
-// here with its fp32 partial sums in acc_top / acc_bottom. They are parked in global memory, each thread
-// its 128 values as 32 float4 (coalesced across the warpgroup); the range that arrives last at the
-// tile's counter then sums every range's partial in range order into acc (the same sum whichever
-// arrives last, so results are deterministic) and returns true: it alone runs the epilogue. The counter
-// is left at k_splits (the caller zeroes the counters per launch). Fence, barrier, counter, barrier,
-// fence: the usual last-block pattern, with the warpgroup's named barrier standing for the CTA's.
 // acc += one chain's parked partial (16 float4 per thread, 128 apart), loaded all before the adds.
 __device__ __forceinline__ void add_partial(float (&acc)[64], const float4* part) {
   float4 v[16];
@@ -520,6 +517,13 @@ __device__ __forceinline__ void add_partial(float (&acc)[64], const float4* part
   }
 }
 
+// K split (small M, where the output tiles are too few for the SMs): each K range of a 128-row tile ends
+// here with its fp32 partial sums in acc_top / acc_bottom. They are parked in global memory, each thread
+// its 128 values as 32 float4 (coalesced across the warpgroup); the range that arrives last at the
+// tile's counter then sums every range's partial in range order into acc (the same sum whichever
+// arrives last, so results are deterministic) and returns true: it alone runs the epilogue. The counter
+// is left at k_splits (the caller zeroes the counters per launch). Fence, barrier, counter, barrier,
+// fence: the usual last-block pattern, with the warpgroup's named barrier standing for the CTA's.
 __device__ __forceinline__ bool sum_split_partials(float (&acc_top)[64], float (&acc_bottom)[64], int tile, int split,
                                                   int consumer, int t, const EpilogueArgs& args) {
   __shared__ int finishes[2];  // per consumer warpgroup: whether its range is the tile's last
@@ -751,7 +755,7 @@ void launch_dtype(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& 
 template <Epilogue kMode, int kTileM>
 void launch_cluster(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, int64_t ctas, int64_t cluster) {
   const int64_t n_tiles_m = (a.size(0) + kTileM - 1) / kTileM;
-  if (cluster == 2 && cluster_units(n_tiles_m, args.n_tiles_n, 2) * args.k_splits >= ctas / 2) {
+  if (cluster == 2 && cluster_units(n_tiles_m, args.n_tiles_n, 2) >= ctas / 2) {
     launch_dtype<kMode, 2, kTileM>(a, b, args, ctas);
   } else {
     launch_dtype<kMode, 1, kTileM>(a, b, args, ctas);

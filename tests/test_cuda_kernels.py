@@ -252,7 +252,7 @@ def test_split_k_gemms_are_exact_and_deterministic(gated, path):
     exact and give the same bits from run to run. K = 2056 is 33 slices of 64 (the last one partial):
     5 ranges are 7, 7, 7, 7 and 5 slices, and 16 requested become 11 ranges of 3. The down projection's
     K = 2600 is 41 slices; the last of 3 row tiles has 44 rows; dense rows 0 and 200 put both full
-    blocks on the dense path (the automatic choice, 0, splits nothing at this K)."""
+    blocks on the dense path (the automatic choice, 0, splits only the down projection, in 2 ranges)."""
     problem = make_problem(300, 2056, 2600, 1400, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0, 200))
     for k_splits in (0, 2, 5, 16):
         with kernel_config(gemm_k_splits=k_splits):

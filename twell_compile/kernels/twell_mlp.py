@@ -87,10 +87,11 @@ class KernelConfig:
     mainloop is long beside its epilogue and the cooperative tiles pay (H200, 2B shape: 4.0-4.1 against
     4.4-4.5 ms)."""
     gemm_k_splits: int = int(os.environ.get("TWELL_GEMM_K_SPLITS", "0"))
-    """K ranges per output tile of the wgmma GEMMs. 0: chosen per GEMM (csrc/twell_gemm.cu,
-    choose_k_split): where the 128 x 128 tiles are fewer than the SMs (small M: the 2B gate has 44
-    column tiles, its down projection 16), each tile's K is split over several CTAs and the partial
-    tiles are summed in a fixed order (deterministic); 1: never; 2-16: that many (for measurements)."""
+    """K ranges per output tile of the wgmma GEMMs. 0: chosen per GEMM (choose_k_split in
+    csrc/twell_entries.h): where the 128 x 128 tiles are fewer than the SMs and K is long (the 2B
+    dense path's down projection at M <= 512: 16-64 column tiles, K = 5632), each tile's K is split
+    over several CTAs and the partial tiles are summed in a fixed order (deterministic); the gate's
+    K = 2048 is not split, which measured slower (csrc/twell_gemm.cu). 1: never; 2-16: that many."""
     decode_gate_rows: int = int(os.environ.get("TWELL_DECODE_GATE_ROWS", "64"))
     """Calls of at most this many rows (64 at most) run the gate as a split-K GEMV over clusters of CTAs
     (csrc/twell_decode_gemv.cu) instead of the wgmma GEMM, which gives each 128-wide column tile to one
