@@ -5,6 +5,10 @@ each schedule, against cuBLAS's dense gate GEMM; same run, alternating rounds (t
 
 "pack" is the gate as the op runs it (``gate_twell_gemm``); "store" is the dense-path GEMM with every
 block forced dense (``dense_block_gemm``), which writes the whole [M, N] product. GPU only.
+
+``--launches N`` only launches cuBLAS, then pack and store in CTA pairs, N times each, untimed, for
+Nsight Compute, e.g. ``ncu --clock-control none --section SpeedOfLight -k regex:"gemm|nvjet"
+python examples/bench_gate_gemm.py --m 128 --launches 3``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--launches", type=int, default=0, help="untimed launches for a profiler (see above)")
     args = parser.parse_args()
     k, f = args.hidden, args.intermediate
     ext = build.cuda_extension()
@@ -57,6 +62,13 @@ def main() -> None:
         def store(cluster, tile_m):
             ext.dense_block_gemm(x, w, None, dense, all_dense, None, None, 0, 0, 0, sms, cluster, tile_m)
 
+        if args.launches:
+            for run in (lambda: F.linear(x, w), lambda: pack(2, 128), lambda: store(2, 128)):
+                for _ in range(args.launches):
+                    run()
+            torch.cuda.synchronize()
+            print(f"M={m}: {args.launches} launches each of cuBLAS, pack and store")
+            continue
         print(f"M={m} cuBLAS runs: {', '.join(cublas_kernel_names(x, w))}")
         for r in range(args.rounds):
             times = {"cuBLAS": cuda_time_ms(lambda: F.linear(x, w), 10)}
