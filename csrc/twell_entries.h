@@ -50,16 +50,24 @@ constexpr int kMaxKSplits = 16;
 // tiles) took 20.5 us whole and 22.2 us in 2 ranges.
 constexpr int kMinSplitSteps = 20;
 
-// The wgmma GEMMs (csrc/twell_gemm.cu) at small M: K split over several CTAs per output tile.
+// The wgmma GEMMs' (csrc/twell_gemm.cu) output tile, the unit of a K split, and their K-slice.
+constexpr int kGemmTile = 128;
+constexpr int kGemmSliceK = 64;
+
+// The wgmma GEMMs at small M: K split over several CTAs per output tile.
 struct KSplit {
+  int64_t tiles;      // 128 x 128 output tiles of the product (one arrival counter each when split)
+  int k_steps;        // K-slices of the whole reduction
   int splits, steps;  // K ranges per tile, K-slices per range (the last range may have fewer)
 };
 
-// K ranges per output tile. Automatic (requested 0): where the 128 x 128 tiles are fewer than the CTAs,
-// as many ranges as keep one unit per CTA and kMinSplitSteps slices per range, so only a long K split
-// (the dense path's down projection at small M: 4 ranges at M <= 256 on 132 SMs). Any choice is cut
-// back so that no range is empty.
-inline KSplit choose_k_split(int64_t tiles, int k_steps, int64_t ctas, int64_t requested) {
+// K ranges per output tile of C [M, N] = A [M, K] B [N, K]^T. Automatic (requested 0): where the
+// tiles are fewer than the CTAs, as many ranges as keep one unit per CTA and kMinSplitSteps slices per
+// range, so only a long K splits (the dense path's down projection at small M: 4 ranges at M <= 256 on
+// 132 SMs). Any choice is cut back so that no range is empty.
+inline KSplit choose_k_split(int64_t M, int64_t N, int64_t K, int64_t ctas, int64_t requested) {
+  const int64_t tiles = (M + kGemmTile - 1) / kGemmTile * ((N + kGemmTile - 1) / kGemmTile);
+  const int k_steps = static_cast<int>((K + kGemmSliceK - 1) / kGemmSliceK);
   int64_t splits = 1;
   if (requested > 0) {
     splits = std::min<int64_t>(requested, k_steps);
@@ -67,6 +75,8 @@ inline KSplit choose_k_split(int64_t tiles, int k_steps, int64_t ctas, int64_t r
     splits = std::max<int64_t>(1, std::min<int64_t>({kMaxKSplits, k_steps / kMinSplitSteps, ctas / tiles}));
   }
   KSplit split;
+  split.tiles = tiles;
+  split.k_steps = k_steps;
   split.steps = static_cast<int>((k_steps + splits - 1) / splits);
   split.splits = (k_steps + split.steps - 1) / split.steps;
   return split;

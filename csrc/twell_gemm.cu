@@ -72,6 +72,7 @@ namespace {
 constexpr int kBlockM = kDecisionRows;  // one consumer's rows: they lie in exactly one decision block
 constexpr int kBlockN = 128;  // = the TwELL tile
 constexpr int kBlockK = 64;   // 64 x 2 bytes = one 128-byte swizzle row
+static_assert(kBlockM == kGemmTile && kBlockN == kGemmTile && kBlockK == kGemmSliceK, "twell_entries.h's K split");
 constexpr int kThreads = 384;
 constexpr int kRingBytes = 192 * 1024;
 constexpr int kMaxStages = 6;
@@ -778,8 +779,8 @@ void dispatch(const at::Tensor& a, const at::Tensor& b, EpilogueArgs args, int64
   TORCH_CHECK(k_splits >= 0 && k_splits <= kMaxKSplits, "twell: k_splits must be 0 (automatic) to 16");
   TORCH_CHECK(ctas >= 1, "twell: ctas must be positive");
   const c10::cuda::CUDAGuard guard(a.device());
-  const int64_t tiles = (a.size(0) + kBlockM - 1) / kBlockM * args.n_tiles_n;
-  const KSplit split = choose_k_split(tiles, static_cast<int>((a.size(1) + kBlockK - 1) / kBlockK), ctas, k_splits);
+  const KSplit split = choose_k_split(a.size(0), b.size(0), a.size(1), ctas, k_splits);
+  const int64_t tiles = split.tiles;
   args.k_splits = split.splits;
   args.split_steps = split.steps;
   if (split.splits > 1) {

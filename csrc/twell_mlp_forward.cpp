@@ -23,10 +23,11 @@ bool aligned_rows(const at::Tensor& t) { return tma_compatible(t) && t.is_contig
 
 bool contiguous_or_absent(const c10::optional<at::Tensor>& t) { return !t.has_value() || t->is_contiguous(); }
 
-// Arrival counters a wgmma GEMM of `tiles` 128 x 128 output tiles and reduction length K needs: one per
-// tile where it splits K, else none.
-int64_t split_counters(const MlpPlan& plan, int64_t tiles, int64_t K) {
-  return choose_k_split(tiles, static_cast<int>((K + 63) / 64), plan.ctas, plan.gemm_k_splits).splits > 1 ? tiles : 0;
+// Arrival counters the wgmma GEMM of C [M, N] over a reduction of length K needs: one per output tile
+// where it splits K (csrc/twell_gemm.cu makes the same choice), else none.
+int64_t split_counters(const MlpPlan& plan, int64_t M, int64_t N, int64_t K) {
+  const KSplit split = choose_k_split(M, N, K, plan.ctas, plan.gemm_k_splits);
+  return split.splits > 1 ? split.tiles : 0;
 }
 
 c10::optional<at::Tensor> counters_at(const at::Tensor& zeroed, int64_t offset, int64_t count) {
@@ -59,11 +60,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   at::Tensor dense = at::empty({M, F}, x.options());
   // One memset zeroes every counter of the call: the block totals (active units; row-tiles past
   // capacity), then the wgmma GEMMs' K-split arrivals (gate, gate times up, down).
-  const int64_t gate_tiles = n_blocks * ((F + 127) / 128), down_tiles = n_blocks * ((D + 127) / 128);
   const int64_t K = x.size(1);
-  const int64_t gate_arrivals = plan.decode_gate ? 0 : split_counters(plan, gate_tiles, K);
-  const int64_t up_arrivals = plan.decode_dense || !gated ? 0 : split_counters(plan, gate_tiles, K);
-  const int64_t down_arrivals = plan.decode_dense ? 0 : split_counters(plan, down_tiles, F);
+  const int64_t gate_arrivals = plan.decode_gate ? 0 : split_counters(plan, M, F, K);
+  const int64_t up_arrivals = plan.decode_dense || !gated ? 0 : split_counters(plan, M, F, K);
+  const int64_t down_arrivals = plan.decode_dense ? 0 : split_counters(plan, M, D, F);
   at::Tensor zeroed = at::empty({2 * n_blocks + gate_arrivals + up_arrivals + down_arrivals}, ints);
   C10_CUDA_CHECK(cudaMemsetAsync(zeroed.data_ptr(), 0, zeroed.nbytes(), c10::cuda::getCurrentCUDAStream()));
   at::Tensor block_nnz = zeroed.narrow(0, 0, 2 * n_blocks);
