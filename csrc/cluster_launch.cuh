@@ -10,7 +10,6 @@
 #include <cstddef>
 #include <map>
 #include <mutex>
-#include <set>
 #include <tuple>
 #include <utility>
 
@@ -76,17 +75,20 @@ class KernelLaunch {
   }
 
   // Function attributes belong to the current device's context: set once per device, kernel and value
-  // (a host call each launch is time a decode-sized call cannot spare).
+  // (a host call each launch is time a decode-sized call cannot spare). Both attributes used here are
+  // upper bounds (dynamic shared memory, cluster size allowed), so the largest value asked for so far
+  // is kept: setting a smaller one after a larger would fail the launches that need the larger.
   static void set_attribute_once(const void* kernel, cudaFuncAttribute attribute, int value) {
     int device = 0;
     C10_CUDA_CHECK(cudaGetDevice(&device));
-    const std::tuple<int, const void*, int, int> key{device, kernel, static_cast<int>(attribute), value};
+    const std::tuple<int, const void*, int> key{device, kernel, static_cast<int>(attribute)};
     static std::mutex mutex;
-    static std::set<std::tuple<int, const void*, int, int>> done;
+    static std::map<std::tuple<int, const void*, int>, int> set;
     const std::lock_guard<std::mutex> lock(mutex);
-    if (done.count(key)) return;
+    const auto it = set.find(key);
+    if (it != set.end() && it->second >= value) return;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, attribute, value));
-    done.insert(key);
+    set[key] = value;
   }
 
   template <typename... Params, typename... Args>

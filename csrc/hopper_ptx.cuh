@@ -1,5 +1,5 @@
-// Thin wrappers over the Hopper (sm_90a) PTX the gate GEMMs need: mbarriers, TMA tensor loads (also
-// multicast to a cluster), distributed shared memory, warpgroup MMA (wgmma) and its shared-memory matrix
+// Thin wrappers over the Hopper (sm_90a) PTX the kernels need: mbarriers, TMA tensor loads (also
+// multicast to a cluster) and bulk copies, distributed shared memory, warpgroup MMA (wgmma) and its shared-memory matrix
 // descriptors, warp-level MMA (mma.sync, the decode GEMV), register reallocation.
 // Semantics are the PTX ISA's; names follow the instructions so the kernel reads like the ISA guide.
 #pragma once
@@ -68,6 +68,13 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const void* ten
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
       " [%0], [%1, {%3, %4}], [%2], %5;"
       ::"r"(smem_addr(dst)), "l"(tensor_map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "h"(cta_mask) : "memory");
+}
+
+// 1-D bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared
+// memory, completing `bytes` of the barrier's transactions.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
 // ---- named barriers -------------------------------------------------------------------------------

@@ -16,7 +16,24 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
                     const at::Tensor& dense, const at::Tensor& block_nnz, const c10::optional<at::Tensor>& w_up,
                     const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_t,
                     const c10::optional<at::Tensor>& b_down, at::Tensor& out, int64_t tile_n, int64_t splits,
-                    int64_t threads, int64_t thr_full, int64_t thr_last, int64_t thr_heavy, int64_t cluster);
+                    int64_t threads, int64_t thr_full, int64_t thr_last, int64_t thr_heavy, int64_t cluster,
+                    const c10::optional<at::Tensor>& row_list, const c10::optional<at::Tensor>& row_count);
+
+// The chunked sparse kernel (csrc/twell_sparse_chunked.cu): weights streamed through shared memory in
+// slices of kChunkSliceColumns columns of every unit, [K / 8, F, 8] (W_up) and [D / 8, F, 8]
+// (W_down^T). Rows with more than kChunkMaxRowEntries active units are left to sparse_mlp_out's row
+// list (heavy_rows, heavy_count: int32 [M] and a zeroed int32 count).
+constexpr int kChunkSliceColumns = 8;
+constexpr int kChunkMaxRowEntries = 512;
+size_t chunked_smem_bytes(int64_t F, int64_t element_size);
+// Whether a shape fits the kernel on the current device (its two slices of F units in shared memory).
+bool chunked_sparse_fits(int64_t K, int64_t F, int64_t D, int64_t element_size, bool gated);
+void chunked_sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed, const at::Tensor& counts,
+                            const at::Tensor& dense, const at::Tensor& block_nnz,
+                            const c10::optional<at::Tensor>& w_up_sliced, const c10::optional<at::Tensor>& b_up,
+                            const at::Tensor& w_down_sliced, const c10::optional<at::Tensor>& b_down, at::Tensor& out,
+                            const at::Tensor& heavy_rows, const at::Tensor& heavy_count, int64_t tile_n,
+                            int64_t thr_full, int64_t thr_last, int64_t thr_heavy, int64_t ctas);
 void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                      at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz, int64_t ctas,
                      int64_t cluster, int64_t tile_m, int64_t k_splits,
@@ -99,6 +116,7 @@ struct MlpPlan {
   int64_t sparse_splits = 1;       // the sparse kernel's launch
   int64_t sparse_threads = 128;
   int64_t sparse_cluster = 1;
+  bool chunked = false;            // the chunked sparse kernel (given the sliced weights)
   int64_t thr_full = 0;            // the dense-block test (csrc/dense_block_test.cuh)
   int64_t thr_last = 0;
   int64_t thr_heavy = 0;
@@ -110,9 +128,12 @@ struct MlpPlan {
 // The whole CUDA path of one twell MLP call (gate, sparse kernel, dense path), in one host call.
 // Gated when w_up is given. Returns (out, counts, block_nnz), or nothing, before any work, when an
 // operand is not a contiguous tensor with 16-byte aligned rows (the Python path handles those).
+// plan.chunked runs the chunked sparse kernel on the sliced weights (w_up_sliced when gated,
+// w_down_sliced), which the caller gives exactly then.
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
     const MlpPlan& plan, const at::Tensor& x, const at::Tensor& w_act, const c10::optional<at::Tensor>& b_act,
     const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down,
-    const at::Tensor& w_down_t, const c10::optional<at::Tensor>& b_down);
+    const at::Tensor& w_down_t, const c10::optional<at::Tensor>& b_down,
+    const c10::optional<at::Tensor>& w_up_sliced, const c10::optional<at::Tensor>& w_down_sliced);
 
 }  // namespace twell

@@ -15,7 +15,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("dense"), pybind11::arg("block_nnz"), pybind11::arg("w_up"), pybind11::arg("b_up"),
         pybind11::arg("w_down_t"), pybind11::arg("b_down"), pybind11::arg("out"), pybind11::arg("tile_n"),
         pybind11::arg("splits"), pybind11::arg("threads"), pybind11::arg("thr_full"),
-        pybind11::arg("thr_last"), pybind11::arg("thr_heavy"), pybind11::arg("cluster") = 1);
+        pybind11::arg("thr_last"), pybind11::arg("thr_heavy"), pybind11::arg("cluster") = 1,
+        pybind11::arg("row_list") = pybind11::none(), pybind11::arg("row_count") = pybind11::none());
+  m.def("chunked_sparse_mlp_out", &twell::chunked_sparse_mlp_out,
+        "Fills the sparse-block rows of out with at most 512 active units, the weights streamed through shared "
+        "memory in slices; lists the heavier rows for sparse_mlp_out (see csrc/twell_sparse_chunked.cu)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("counts"), pybind11::arg("dense"),
+        pybind11::arg("block_nnz"), pybind11::arg("w_up_sliced"), pybind11::arg("b_up"), pybind11::arg("w_down_sliced"),
+        pybind11::arg("b_down"), pybind11::arg("out"), pybind11::arg("heavy_rows"), pybind11::arg("heavy_count"),
+        pybind11::arg("tile_n"), pybind11::arg("thr_full"), pybind11::arg("thr_last"), pybind11::arg("thr_heavy"),
+        pybind11::arg("ctas"));
+  m.def("chunked_sparse_fits", &twell::chunked_sparse_fits,
+        "Whether a shape fits the chunked sparse kernel on the current device", pybind11::arg("K"), pybind11::arg("F"),
+        pybind11::arg("D"), pybind11::arg("element_size"), pybind11::arg("gated"));
   m.def("gate_twell_gemm", &twell::gate_twell_gemm,
         "Gate GEMM relu(x W^T + b) written in the TwELL layout (see csrc/twell_gemm.cu)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("packed"),
@@ -58,6 +70,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("sparse_splits", &twell::MlpPlan::sparse_splits)
       .def_readwrite("sparse_threads", &twell::MlpPlan::sparse_threads)
       .def_readwrite("sparse_cluster", &twell::MlpPlan::sparse_cluster)
+      .def_readwrite("chunked", &twell::MlpPlan::chunked)
       .def_readwrite("thr_full", &twell::MlpPlan::thr_full)
       .def_readwrite("thr_last", &twell::MlpPlan::thr_last)
       .def_readwrite("thr_heavy", &twell::MlpPlan::thr_heavy)
@@ -69,5 +82,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(out, counts, block_nnz), or None when an operand lacks contiguous 16-byte aligned rows",
         pybind11::arg("plan"), pybind11::arg("x"), pybind11::arg("w_act"), pybind11::arg("b_act"),
         pybind11::arg("w_up"), pybind11::arg("b_up"), pybind11::arg("w_down"), pybind11::arg("w_down_t"),
-        pybind11::arg("b_down"));
+        pybind11::arg("b_down"), pybind11::arg("w_up_sliced") = pybind11::none(),
+        pybind11::arg("w_down_sliced") = pybind11::none());
 }

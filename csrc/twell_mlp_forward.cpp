@@ -39,7 +39,8 @@ c10::optional<at::Tensor> counters_at(const at::Tensor& zeroed, int64_t offset, 
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
     const MlpPlan& plan, const at::Tensor& x, const at::Tensor& w_act, const c10::optional<at::Tensor>& b_act,
     const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down,
-    const at::Tensor& w_down_t, const c10::optional<at::Tensor>& b_down) {
+    const at::Tensor& w_down_t, const c10::optional<at::Tensor>& b_down,
+    const c10::optional<at::Tensor>& w_up_sliced, const c10::optional<at::Tensor>& w_down_sliced) {
   const bool gated = w_up.has_value();
   if (!aligned_rows(x) || !aligned_rows(w_act) || !aligned_rows(w_down) || (gated && !aligned_rows(*w_up)) ||
       (w_down.size(0) * w_down.element_size()) % 16 != 0 || !contiguous_or_absent(b_act) ||
@@ -49,6 +50,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
     return std::nullopt;
   }
   TORCH_CHECK(x.is_cuda(), "twell: mlp_forward takes CUDA tensors");
+  TORCH_CHECK(plan.chunked == w_down_sliced.has_value() && (!plan.chunked || gated == w_up_sliced.has_value()),
+              "twell: mlp_forward takes the sliced weights exactly when the plan is chunked");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t M = x.size(0), F = w_act.size(0), D = w_down.size(0);
   const int64_t n_tiles = (F + plan.tile_n - 1) / plan.tile_n;
@@ -59,12 +62,14 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   at::Tensor counts = at::empty({M, n_tiles}, ints);
   at::Tensor dense = at::empty({M, F}, x.options());
   // One memset zeroes every counter of the call: the block totals (active units; row-tiles past
-  // capacity), then the wgmma GEMMs' K-split arrivals (gate, gate times up, down).
+  // capacity), then the wgmma GEMMs' K-split arrivals (gate, gate times up, down), then the count of
+  // rows the chunked kernel leaves to the row-by-row one.
   const int64_t K = x.size(1);
   const int64_t gate_arrivals = plan.decode_gate ? 0 : split_counters(plan, M, F, K);
   const int64_t up_arrivals = plan.decode_dense || !gated ? 0 : split_counters(plan, M, F, K);
   const int64_t down_arrivals = plan.decode_dense ? 0 : split_counters(plan, M, D, F);
-  at::Tensor zeroed = at::empty({2 * n_blocks + gate_arrivals + up_arrivals + down_arrivals}, ints);
+  const int64_t heavy_at = 2 * n_blocks + gate_arrivals + up_arrivals + down_arrivals;
+  at::Tensor zeroed = at::empty({heavy_at + (plan.chunked ? 1 : 0)}, ints);
   C10_CUDA_CHECK(cudaMemsetAsync(zeroed.data_ptr(), 0, zeroed.nbytes(), c10::cuda::getCurrentCUDAStream()));
   at::Tensor block_nnz = zeroed.narrow(0, 0, 2 * n_blocks);
   const int64_t up_at = 2 * n_blocks + gate_arrivals, down_at = up_at + up_arrivals;
@@ -82,9 +87,21 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
                     plan.gemm_k_splits, counters_at(zeroed, 2 * n_blocks, gate_arrivals));
   }
   const c10::optional<at::Tensor> x_if_gated = gated ? c10::optional<at::Tensor>(x) : c10::nullopt;
-  sparse_mlp_out(x_if_gated, packed, counts, dense, block_nnz, w_up, b_up, w_down_t, b_down, out, plan.tile_n,
-                 plan.sparse_splits, plan.sparse_threads, plan.thr_full, plan.thr_last, plan.thr_heavy,
-                 plan.sparse_cluster);
+  // Sparse blocks' rows: the chunked kernel and the row-by-row one for the rows it leaves, or the
+  // row-by-row one for all.
+  if (plan.chunked) {
+    at::Tensor heavy_rows = at::empty({M}, ints);
+    at::Tensor heavy_count = zeroed.narrow(0, heavy_at, 1);
+    chunked_sparse_mlp_out(x_if_gated, packed, counts, dense, block_nnz, w_up_sliced, b_up, *w_down_sliced, b_down, out,
+                           heavy_rows, heavy_count, plan.tile_n, plan.thr_full, plan.thr_last, plan.thr_heavy, plan.ctas);
+    sparse_mlp_out(x_if_gated, packed, counts, dense, block_nnz, w_up, b_up, w_down_t, b_down, out, plan.tile_n,
+                   plan.sparse_splits, plan.sparse_threads, plan.thr_full, plan.thr_last, plan.thr_heavy, 1, heavy_rows,
+                   heavy_count);
+  } else {
+    sparse_mlp_out(x_if_gated, packed, counts, dense, block_nnz, w_up, b_up, w_down_t, b_down, out, plan.tile_n,
+                   plan.sparse_splits, plan.sparse_threads, plan.thr_full, plan.thr_last, plan.thr_heavy,
+                   plan.sparse_cluster, c10::nullopt, c10::nullopt);
+  }
 
   // Dense path for the blocks too dense to pay (its kernels skip the others): h = relu(gate) * up in
   // place in `dense` (non-gated: relu(up) expanded there), then out = h W_down^T.

@@ -94,7 +94,7 @@ def main() -> None:
         times["twell_mlp"] = host_time_us(lambda: twell_mlp.twell_mlp(x, wg, None, wu, None, wd, None), args.calls)
         plan = twell_mlp.call_plan(m, f, k, x.device)
         if plan.cuda is not None:
-            w_down_t = twell_mlp.DOWN_WEIGHT_T.transposed(wd)
+            w_down_t = twell_mlp.DOWN_WEIGHT_T.get(wd)
             times["mlp_forward"] = host_time_us(
                 lambda: ext.mlp_forward(plan.cuda, x, wg, None, wu, None, wd, w_down_t, None), args.calls)
         print(f"M={m:<6} " + "  ".join(f"{name} {h:.1f}/{t:.1f}" for name, (h, t) in times.items()))

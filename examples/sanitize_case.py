@@ -6,6 +6,8 @@ import twell_compile  # noqa: F401
 from twell_compile.kernels import twell_mlp
 from twell_compile.testing import make_problem
 
+default_num_sms = twell_mlp._num_sms
+
 for m, (k, f, d), gated, density in [(7, (257, 1031, 131), True, float("inf")), (300, (264, 1000, 200), False, 0.01),
                                      (130, (2048, 5632, 2048), True, 0.0),
                                      (100, (2048, 5632, 2048), True, float("inf")),  # sparse clusters, wgmma gate
@@ -18,12 +20,18 @@ for m, (k, f, d), gated, density in [(7, (257, 1031, 131), True, float("inf")), 
                                      (520, (2048, 5632, 2048), True, 0.004),  # several tiles per CTA, mixed paths
                                      (1950, (200, 2600, 1400), True, 0.01),  # CTA pairs in all three GEMMs, odd tile counts
                                      (300, (2056, 2600, 1400), True, 0.0),  # K split in 3 ranges in all three GEMMs
-                                     (4126, (200, 2600, 1400), True, 0.01)]:  # cooperative 256-row tiles everywhere (below)
+                                     (4126, (200, 2600, 1400), True, 0.01),  # cooperative 256-row tiles everywhere (below)
+                                     (600, (264, 1000, 200), True, 0.05),  # the chunked kernel (below), mixed paths
+                                     (601, (264, 1000, 200), False, float("inf"))]:  # likewise, non-gated, a listed heavy row
     # The last case: 256-row tiles in all three GEMMs, a last tile whose second half lies past the end,
     # and a tile of one dense and one sparse block on the dense path.
     twell_mlp.config.gemm_tile_m = twell_mlp.config.down_gemm_tile_m = 256 if m == 4126 else 128
     # (The dense path at M = 130 splits the down projection's K by itself: 4 ranges.)
     twell_mlp.config.gemm_k_splits = 3 if k == 2056 else 0
+    # The chunked sparse kernel (csrc/twell_sparse_chunked.cu) at M = 600 and 601, four CTAs (several
+    # chunks each).
+    twell_mlp.config.chunked_sparse_rows = 600 if m in (600, 601) else 0
+    twell_mlp._num_sms = (lambda device: 4) if m in (600, 601) else default_num_sms
     twell_mlp.config.dense_block_density = twell_mlp.config.decode_dense_block_density = density
     twell_mlp.config.heavy_block_overflow_tiles = 2**31 - 1 if density == float("inf") else 16
     p = make_problem(m, k, f, d, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0,))

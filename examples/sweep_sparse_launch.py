@@ -7,7 +7,9 @@ token, each taking a share of its active units over all columns (256 threads). T
 picks the entry split for calls of at most 128 rows; this measures where it pays. ``path/sparse`` and
 ``path/dense`` time the plan's own launch with every block forced onto the sparse or the dense path,
 which shows where the device-side choice between them should switch. ``ksplit/N`` sets the K ranges
-per tile of the wgmma GEMMs (gate, and the dense path past 64 rows); parts combine with ``+``.
+per tile of the wgmma GEMMs (gate, and the dense path past 64 rows); ``chunked/R`` runs the chunked
+sparse kernel (csrc/twell_sparse_chunked.cu) for calls of at least R rows (0: never); parts combine
+with ``+``.
 
     python examples/sweep_sparse_launch.py --m 128 256 512 1024 2048 4096 --nnz 24 39
 """
@@ -30,6 +32,7 @@ default_thresholds = (twell_mlp.config.dense_block_density, twell_mlp.config.dec
                       twell_mlp.config.heavy_block_overflow_tiles)
 default_k_splits = twell_mlp.config.gemm_k_splits
 default_factor = twell_mlp.config.small_batch_density_factor
+default_chunked_rows = twell_mlp.config.chunked_sparse_rows
 
 
 def dense_mlp(x, wg, wu, wd):
@@ -41,7 +44,8 @@ def use_choice(choice: str) -> None:
     drops cached plans. ``path/sparse`` and ``path/dense`` keep the plan's launch and force every block
     onto one path; ``heavy/N`` and ``density/X`` keep it and set one threshold of the dense-block test
     (``density/X`` the large-call density, which calls of 129-4096 rows scale by ``factor/F``);
-    ``ksplit/N`` sets the wgmma GEMMs' K ranges per tile (0: their own choice, 1: no split). Parts
+    ``ksplit/N`` sets the wgmma GEMMs' K ranges per tile (0: their own choice, 1: no split);
+    ``chunked/R`` runs the chunked sparse kernel from R rows on (0: never). Parts
     joined by ``+`` combine (``path/dense+ksplit/1``)."""
     twell_mlp._column_splits = default_column_splits
     twell_mlp._sparse_threads, twell_mlp._sparse_cluster = default_threads, default_cluster
@@ -49,6 +53,7 @@ def use_choice(choice: str) -> None:
     cfg.dense_block_density, cfg.decode_dense_block_density, cfg.heavy_block_overflow_tiles = default_thresholds
     cfg.gemm_k_splits = default_k_splits
     cfg.small_batch_density_factor = default_factor
+    cfg.chunked_sparse_rows = default_chunked_rows
     for part in choice.split("+"):
         _apply(part)
     twell_mlp._PLANS.clear()
@@ -71,6 +76,8 @@ def _apply(part: str) -> None:
         cfg.small_batch_density_factor = float(value)
     elif kind == "ksplit":
         cfg.gemm_k_splits = int(value)
+    elif kind == "chunked":
+        cfg.chunked_sparse_rows = int(value)
     elif kind == "columns":
         twell_mlp._sparse_threads = lambda m, threads=int(value): threads
         twell_mlp._sparse_cluster = lambda m, sms: 1
@@ -94,7 +101,8 @@ def main() -> None:
                              "path/sparse, path/dense (the plan's launch, every block forced onto one path), "
                              "heavy/TILES or density/FRACTION (the plan's launch, that dense-block threshold set; "
                              "calls of 129-4096 rows scale the density by factor/F, default 0.5), "
-                             "ksplit/N (the wgmma GEMMs' K ranges per tile; 0 their own choice); join with +")
+                             "ksplit/N (the wgmma GEMMs' K ranges per tile; 0 their own choice), chunked/R (the "
+                             "chunked sparse kernel from R rows on; 0 never); join with +")
     args = parser.parse_args()
     rows = []
     for m in args.m:

@@ -291,7 +291,7 @@ def test_one_call_path_matches_the_step_by_step_path_bitwise(gated, path, m, mon
     ext = build.cuda_extension()
     with kernel_config(poison_buffers=True, **PATHS[path]):
         plan = twell_mlp.call_plan(m, f, d, p.x.device)
-        w_down_t = twell_mlp.DOWN_WEIGHT_T.transposed(p.down_weight)
+        w_down_t = twell_mlp.DOWN_WEIGHT_T.get(p.down_weight)
         one_call = ext.mlp_forward(plan.cuda, p.x, *act, p.down_weight, w_down_t, p.down_bias)
         step_by_step = twell_mlp._twell_mlp_general(p.x, *act, p.down_weight, p.down_bias)
         monkeypatch.setattr(twell_mlp, "_twell_mlp_general", None)  # the op must not need it here

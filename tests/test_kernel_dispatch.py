@@ -104,6 +104,53 @@ def test_call_plan_is_cached_per_shape_and_follows_the_settings(monkeypatch):
     assert twell_mlp.call_plan(16, 5632, 2048, device).cuda is None
 
 
+def test_call_plan_takes_the_chunked_kernel_for_large_calls_that_fit(monkeypatch):
+    import types
+
+    from twell_compile.kernels import build
+
+    fits = {}
+
+    def chunked_sparse_fits(k, f, d, element_size, gated):
+        fits["asked"] = (f, d)
+        return f <= 6000
+
+    ext = types.SimpleNamespace(MlpPlan=types.SimpleNamespace, chunked_sparse_fits=chunked_sparse_fits)
+    monkeypatch.setattr(twell_mlp, "_PLANS", {})
+    monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(build, "cuda_extension", lambda: ext)
+    monkeypatch.setattr(twell_mlp.config, "chunked_sparse_rows", 32768)
+    device = torch.device("cuda", 0)
+    assert twell_mlp.call_plan(131072, 5632, 2048, device).cuda.chunked
+    assert fits["asked"] == (5632, 2048)
+    assert not twell_mlp.call_plan(32767, 5632, 2048, device).cuda.chunked
+    assert twell_mlp.call_plan(32768, 5632, 2048, device).cuda.chunked
+    assert not twell_mlp.call_plan(131072, 11008, 4096, device).cuda.chunked  # does not fit
+    assert not twell_mlp.call_plan(131072, 5632, 2046, device).cuda.chunked  # D % 8
+    monkeypatch.setattr(twell_mlp.config, "chunked_sparse_rows", 0)
+    assert not twell_mlp.call_plan(131072, 5632, 2048, device).cuda.chunked
+
+
+def test_sliced_weight_layouts():
+    """Slice s of the chunked kernel's weights holds 8 columns of every unit: W_up [F, K] ->
+    [K / 8, F, 8] with [s, n, i] = W_up[n, 8 s + i]; W_down [D, F] -> [D / 8, F, 8] with
+    [s, n, i] = W_down[8 s + i, n] (a column of W_down^T)."""
+    from twell_compile.kernels.weight_cache import DOWN_WEIGHT_SLICED, UP_WEIGHT_SLICED
+
+    up = torch.randn(40, 24)
+    down = torch.randn(16, 40)
+    up_sliced, down_sliced = UP_WEIGHT_SLICED.get(up), DOWN_WEIGHT_SLICED.get(down)
+    assert up_sliced.shape == (3, 40, 8) and down_sliced.shape == (2, 40, 8)
+    assert up_sliced.is_contiguous() and down_sliced.is_contiguous()
+    for s, n, i in [(0, 0, 0), (2, 39, 7), (1, 17, 3)]:
+        assert up_sliced[s, n, i] == up[n, 8 * s + i]
+    for s, n, i in [(0, 0, 0), (1, 39, 7), (1, 5, 2)]:
+        assert down_sliced[s, n, i] == down[8 * s + i, n]
+    assert UP_WEIGHT_SLICED.get(up) is up_sliced  # cached per weight version
+    up.mul_(2.0)
+    assert torch.equal(UP_WEIGHT_SLICED.get(up), up_sliced * 2.0)
+
+
 def test_step_by_step_path_launches_what_the_one_call_path_launches(monkeypatch):
     """With the one-call path declining (as for unaligned operands), the Python path runs the same
     kernel entries in the same order as csrc/twell_mlp_forward.cpp: the gate (GEMV at decode sizes),

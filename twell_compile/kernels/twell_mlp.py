@@ -8,7 +8,9 @@ Per call, all on PyTorch's current stream, allocations through its caching alloc
      overflowing tiles to a dense backup, active counts summed per 128-row block;
   2. a block is dense when its active fraction exceeds ``config.dense_block_density`` or it has many
      overflowing row-tiles (each kernel makes the same integer test, ``csrc/dense_block_test.cuh``);
-  3. ``sparse_mlp_out`` (``csrc/twell_sparse_mlp.cu``): sparse blocks' rows of the output;
+  3. ``sparse_mlp_out`` (``csrc/twell_sparse_mlp.cu``): sparse blocks' rows of the output (large calls:
+     ``chunked_sparse_mlp_out``, ``csrc/twell_sparse_chunked.cu``, and the former for the rows with more
+     than 512 active units, which the chunks leave);
   4. dense blocks' rows by dense GEMMs (the wgmma GEMM of ``csrc/twell_gemm.cu``; at most 64 rows, the
      split-K GEMVs of ``csrc/twell_decode_gemv.cu``; Triton kernels where the Triton gate ran or an
      operand is not TMA-able): h = relu(gate) * up in place in the backup
@@ -34,7 +36,7 @@ from torch import Tensor
 
 from .. import stats
 from . import build, triton_kernels
-from .weight_cache import DOWN_WEIGHT_T
+from .weight_cache import DOWN_WEIGHT_SLICED, DOWN_WEIGHT_T, UP_WEIGHT_SLICED
 
 DECISION_ROWS = triton_kernels.DECISION_ROWS
 
@@ -103,6 +105,18 @@ class KernelConfig:
     decode_gemv_cluster: int = int(os.environ.get("TWELL_DECODE_GEMV_CLUSTER", "0"))
     """CTAs per cluster of the decode GEMVs, which split each column tile along K: 0 chooses (8, or 16
     where 8 would leave SMs idle and the GPU schedules 16); 1 to 16 forces a size (for measurements)."""
+    chunked_sparse_rows: int = int(os.environ.get("TWELL_CHUNKED_SPARSE_ROWS", "0"))
+    """Calls of at least this many rows (0: none, the default) run the sparse blocks' rows through the
+    chunked kernel (csrc/twell_sparse_chunked.cu: chunks of ~500 rows stream all of W_up and W_down^T
+    through shared memory, so each weight byte read from L2 serves several tokens) where the
+    intermediate size fits its shared memory (about 6200 units in 16-bit types). It keeps two more
+    copies of W_up and W_down, sliced, in the weight cache. Off by default: on an H100 at the 2B shape,
+    M = 131072 (CUDA graphs, whole calls), it gained only at 80 active units per row (15.2 against
+    16.7 ms), tied at 24 (9.33 against 9.36 ms) and lost at 39 (10.97 against 10.79 ms) and on skewed
+    activations (16.25 against 15.80 ms): each chunk streams all 46 MB of weights into its SM, and that
+    stream, not L2, sets the pace (clusters of 2 and 4 CTAs sharing each slice by multicast, tried once,
+    were slower still: 10.5 and 11.4 ms at 24). Rows with more than 512 active units still run row by
+    row."""
     tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
     """Let the Triton kernels load through TMA descriptors where rows allow (off: pointer loads)."""
     poison_buffers: bool = False
@@ -379,9 +393,27 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     cuda.gemm_tile_m, cuda.down_gemm_tile_m = config.gemm_tile_m, config.down_gemm_tile_m
     cuda.gemm_k_splits = config.gemm_k_splits
     cuda.sparse_splits, cuda.sparse_threads, cuda.sparse_cluster = launch.splits, launch.threads, launch.cluster
+    cuda.chunked = _chunked(m, f, d, launch)
     cuda.thr_full, cuda.thr_last, cuda.thr_heavy = thresholds
     cuda.poison, cuda.poison_word, cuda.poison_count = config.poison_buffers, _POISON_WORD, _POISON_COUNT
     return CallPlan(thresholds, plan.cap, cuda)
+
+
+def _chunked(m: int, f: int, d: int, launch: SparseLaunch) -> bool:
+    """Whether the one-call path runs the chunked sparse kernel (``config.chunked_sparse_rows``). Its
+    operands there have 16-byte rows (K % 8 == 0 and D % 8 == 0), so only F decides whether it fits."""
+    return (0 < config.chunked_sparse_rows <= m and not launch.entry_split and d % 8 == 0
+            and build.cuda_extension().chunked_sparse_fits(8, f, d, 2, True))
+
+
+def _sliced_weights(plan: CallPlan, up_weight: Tensor | None, down_weight: Tensor, k: int, d: int):
+    """The sliced weights a chunked plan's call takes, where they can be made (the operands the one-call
+    path accepts always can; for others it declines the call before looking at them)."""
+    if not plan.cuda.chunked:
+        return None, None
+    if k % 8 or d % 8 or not down_weight.is_contiguous() or (up_weight is not None and not up_weight.is_contiguous()):
+        return None, None
+    return (UP_WEIGHT_SLICED.get(up_weight) if up_weight is not None else None), DOWN_WEIGHT_SLICED.get(down_weight)
 
 
 def call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
@@ -413,8 +445,10 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     if plan.cuda is not None:
         # One host call for everything (the common case: aligned, contiguous operands); None if it
         # declines the operands, before doing anything.
+        up_sliced, down_sliced = _sliced_weights(plan, up_weight, down_weight, k, d)
         result = build.cuda_extension().mlp_forward(plan.cuda, x2, act_weight, act_bias, up_weight, up_bias,
-                                                    down_weight, DOWN_WEIGHT_T.transposed(down_weight), down_bias)
+                                                    down_weight, DOWN_WEIGHT_T.get(down_weight), down_bias,
+                                                    up_sliced, down_sliced)
     if result is not None:
         out, counts, block_nnz = result
         thresholds, cap = plan.thresholds, plan.cap
@@ -465,7 +499,7 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
     else:
         _triton_gate(plan, x2, act_weight, act_bias, packed, counts, dense, block_nnz, n_tiles)
 
-    w_down_t = DOWN_WEIGHT_T.transposed(down_weight)
+    w_down_t = DOWN_WEIGHT_T.get(down_weight)
     vec8 = _vec8_ok(w_down_t, out, *((x2, up_weight) if gated else ()))
     launch = sparse_launch(m, d, sms, vec8)
     thresholds = _dense_thresholds(m, f, launch.entry_split)

@@ -1,4 +1,6 @@
-"""Cache of the transposed down-projection weight the sparse kernel reads row by row.
+"""Caches of weights in the layouts the sparse kernels read: the down projection transposed (the
+row-by-row kernel reads it a unit's row at a time), and W_up and W_down^T sliced into blocks of 8
+columns of every unit (the chunked kernel streams one such slice at a time through shared memory).
 
 An entry is valid only while the source tensor's storage is alive and its version counter unchanged
 (any in-place update, e.g. an optimizer step, bumps it), so a freed weight whose address is reused by
@@ -28,7 +30,7 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _empty_outside_graph_pools(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+def _empty_outside_graph_pools(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     if not like.is_cuda:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     result: list[torch.Tensor] = []
@@ -40,37 +42,58 @@ def _empty_outside_graph_pools(shape: tuple[int, int], like: torch.Tensor) -> to
     return result[0]
 
 
-class TransposedWeightCache:
-    def __init__(self, max_entries: int = _MAX_ENTRIES):
+def _transpose(weight: torch.Tensor) -> torch.Tensor:
+    return weight.t()
+
+
+def _slice_rows(weight: torch.Tensor) -> torch.Tensor:
+    """[F, K] -> [K / 8, F, 8]: slice s holds columns 8s..8s+7 of every row (W_up)."""
+    f, k = weight.shape
+    return weight.view(f, k // 8, 8).permute(1, 0, 2)
+
+
+def _slice_columns(weight: torch.Tensor) -> torch.Tensor:
+    """[D, F] -> [D / 8, F, 8]: slice s holds rows 8s..8s+7 of every column, i.e. the columns of
+    W^T (W_down)."""
+    d, f = weight.shape
+    return weight.view(d // 8, 8, f).permute(0, 2, 1)
+
+
+class DerivedWeightCache:
+    """``layout(weight).contiguous()`` (a view of the weight, made contiguous), computed once per
+    weight version."""
+
+    def __init__(self, layout, max_entries: int = _MAX_ENTRIES):
+        self._layout = layout
         self._entries: OrderedDict[tuple, tuple[StorageWeakRef, int, torch.Tensor]] = OrderedDict()
         self._max_entries = max_entries
         self._lock = threading.Lock()
 
-    def transposed(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight.t().contiguous()``, computed once per weight version."""
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
         version = _version(weight)
         if version is None:
-            return weight.t().contiguous()
+            return self._layout(weight).contiguous()
         key = (weight.data_ptr(), weight.device, weight.dtype, tuple(weight.shape), tuple(weight.stride()))
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
-                ref, cached_version, transposed = entry
+                ref, cached_version, derived = entry
                 if not ref.expired() and cached_version == version:
                     self._entries.move_to_end(key)
-                    return transposed
+                    return derived
                 del self._entries[key]
+        view = self._layout(weight)
         if weight.is_cuda and torch.cuda.is_current_stream_capturing():
-            return weight.t().contiguous()
-        transposed = _empty_outside_graph_pools((weight.shape[1], weight.shape[0]), weight)
-        transposed.copy_(weight.t())
+            return view.contiguous()
+        derived = _empty_outside_graph_pools(tuple(view.shape), weight)
+        derived.copy_(view)
         with self._lock:
-            self._entries[key] = (StorageWeakRef(weight.untyped_storage()), version, transposed)
+            self._entries[key] = (StorageWeakRef(weight.untyped_storage()), version, derived)
             for stale in [k for k, (ref, _, _) in self._entries.items() if ref.expired()]:
                 del self._entries[stale]
             while len(self._entries) > self._max_entries:
                 self._entries.popitem(last=False)
-        return transposed
+        return derived
 
     def clear(self) -> None:
         with self._lock:
@@ -80,4 +103,9 @@ class TransposedWeightCache:
         return len(self._entries)
 
 
-DOWN_WEIGHT_T = TransposedWeightCache()
+DOWN_WEIGHT_T = DerivedWeightCache(_transpose)
+"""``W_down^T`` [F, D] for the row-by-row sparse kernel."""
+UP_WEIGHT_SLICED = DerivedWeightCache(_slice_rows)
+"""``W_up`` [F, K] as [K / 8, F, 8] for the chunked sparse kernel."""
+DOWN_WEIGHT_SLICED = DerivedWeightCache(_slice_columns)
+"""``W_down`` [D, F] as [D / 8, F, 8] (``W_down^T``'s columns in slices) for the chunked sparse kernel."""

@@ -1,0 +1,461 @@
+// Sparse up + down projections for large batches: the weights streamed through shared memory.
+//
+// The row-by-row kernel (twell_sparse_mlp.cu) reads a row of W_up and of W_down^T from L2 for every
+// active unit of every token: about 8 KB per entry at the 2B shape, some 26 GB at M = 131072 and 24
+// active units per row, which L2's bandwidth paces. Under uniform sparsity few tokens share a unit, but
+// a chunk of ~500 tokens uses most units several times over. So here a CTA takes a chunk of whole rows
+// and streams all of W_up, then all of W_down^T, through shared memory, 8 columns of every unit at a
+// time (a slice: F x 16 bytes, one bulk copy, two buffers), and each weight byte it fetches serves every
+// entry of the chunk that uses the unit. The weights are kept sliced, [K / 8, F, 8], for this
+// (twell_compile/kernels/weight_cache.py).
+//
+// Work: a row's entries are cut into ceil(len / 32) near-equal pieces, one thread each, the piece's
+// units and values held in registers for the whole chunk.
+//   up (gated): per slice, a thread adds x[row, 8 columns] . W_up[unit, same columns] for each of its
+//     entries; after the last slice h = g * round(up + b_up), as the row-by-row kernel rounds;
+//   down: per slice, a thread sums h * W_down^T[unit, 8 columns] over its entries; a row's first piece
+//     then adds the other pieces' partials (the next threads, in order: deterministic) and writes the
+//     row's 8 output columns (+ b_down).
+// Rows that are not the chunks' work, decided per row with integer tests on the gate's counts:
+//   - rows of dense blocks: the dense path (csrc/dense_block_test.cuh);
+//   - rows with more than kMaxRowEntries entries (so a chunk of whole rows fits its threads): listed
+//     here and done by the row-by-row kernel;
+//   - sparse rows with no active unit: written here (b_down, or zeros).
+// The steps, one launch each: per-row work (pieces, entries), a prefix sum of it (at::cumsum), the
+// entries flattened into one array in row order, then the chunks (a persistent grid, chunks of near-equal
+// piece counts, whole waves).
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cluster_launch.cuh"
+#include "dense_block_test.cuh"
+#include "dtype16.cuh"
+#include "hopper_ptx.cuh"
+#include "twell_entries.h"
+
+namespace twell {
+namespace {
+
+constexpr int kChunkThreads = 512;
+constexpr int kPieceEntries = 32;  // entries per thread, in registers
+constexpr int kMaxRowPieces = kChunkMaxRowEntries / kPieceEntries;
+// Nominal pieces per chunk: cut at row boundaries, a chunk may run up to kMaxRowPieces - 1 over.
+constexpr int kChunkPieces = kChunkThreads - (kMaxRowPieces - 1);
+constexpr int kSlice = kChunkSliceColumns;  // columns of each unit per slice: 16 bytes
+constexpr int kWorkThreads = 256;        // per-row kernels: a warp per row
+static_assert(kChunkMaxRowEntries % kPieceEntries == 0, "whole pieces");
+
+__host__ __device__ constexpr int row_pieces(int len) { return (len + kPieceEntries - 1) / kPieceEntries; }
+
+// A row's work, packed so that one prefix sum gives both offsets: entries << 32 | pieces.
+__device__ __forceinline__ int64_t pack_work(int entries, int pieces) {
+  return (static_cast<int64_t>(entries) << 32) | static_cast<int64_t>(pieces);
+}
+__device__ __forceinline__ int64_t work_entries(int64_t w) { return w >> 32; }
+__device__ __forceinline__ int64_t work_pieces(int64_t w) { return w & 0xffffffffll; }
+
+// Smallest r in [lo, hi] whose prefix holds at least `pieces` pieces (hi when none does).
+__device__ int64_t first_row_with_pieces(const int64_t* __restrict__ prefix, int64_t lo, int64_t hi, int64_t pieces) {
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (work_pieces(prefix[mid]) >= pieces) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (Dtype16<T>::kBF16) {
+      f[2 * i] = __uint_as_float(w[i] << 16);  // a bfloat16 is the top half of its float
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+}
+
+// 1. Per row: its entries and pieces if the chunks take it (packed for the prefix sum), else 0; rows
+// past kChunkMaxRowEntries go to `heavy_rows`; sparse rows with no entry get their output here.
+template <typename T>
+__global__ void __launch_bounds__(kWorkThreads) chunk_row_work_kernel(
+    const int* __restrict__ counts, int n_tiles, int64_t M, DenseBlockTest dense_test, int64_t* __restrict__ work,
+    int* __restrict__ heavy_rows, int* __restrict__ heavy_count, const T* __restrict__ b_down, T* __restrict__ out,
+    int D) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kWorkThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;
+  int64_t w = 0;
+  if (!dense_test(static_cast<int>(row / kDecisionRows))) {
+    int total = 0;
+    for (int t = lane; t < n_tiles; t += 32) total += counts[row * n_tiles + t];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    if (total == 0) {
+      for (int col = lane; col < D; col += 32)
+        out[row * D + col] = b_down != nullptr ? b_down[col] : Dtype16<T>::from_float(0.f);
+    } else if (total <= kChunkMaxRowEntries) {
+      w = pack_work(total, row_pieces(total));
+    } else if (lane == 0) {
+      heavy_rows[atomicAdd(heavy_count, 1)] = static_cast<int>(row);
+    }
+  }
+  if (lane == 0) work[row] = w;
+}
+
+// 2. Per row taken (a warp each): its entries, in the row-by-row kernel's order (tile by tile, packed
+// slots, or the dense backup of tiles past capacity), into entries[] at the row's offset, one word each:
+// value bits << 16 | unit.
+template <typename T>
+__global__ void __launch_bounds__(kWorkThreads) flatten_entries_kernel(
+    const uint32_t* __restrict__ packed, const int* __restrict__ counts, const T* __restrict__ dense,
+    const int64_t* __restrict__ prefix, int64_t M, int n_tiles, int cap, int tile_n, int F,
+    uint32_t* __restrict__ entries) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kWorkThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= M) return;
+  const int64_t begin = work_entries(prefix[row]);
+  if (work_entries(prefix[row + 1]) == begin) return;
+  uint32_t* dst = entries + begin;
+  const uint16_t* dense_bits = reinterpret_cast<const uint16_t*>(dense) + row * F;
+  int carry = 0;
+  for (int t0 = 0; t0 < n_tiles; t0 += 32) {
+    const int t = t0 + lane;
+    const int c = t < n_tiles ? counts[row * n_tiles + t] : 0;
+    int incl = c;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int n = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += n;
+    }
+    const int at = carry + incl - c;
+    carry += __shfl_sync(0xffffffffu, incl, 31);
+    if (c > 0 && c <= cap) {  // a lane per packed tile, its slots loaded together
+      const uint32_t* slots = packed + (row * n_tiles + t) * cap;
+      uint32_t words[8];
+      for (int j0 = 0; j0 < c; j0 += 8) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (j0 + j < c) words[j] = slots[j0 + j];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (j0 + j < c) dst[at + j0 + j] = (words[j] & 0xffff0000u) | static_cast<uint32_t>(t * tile_n + (words[j] & 0xffffu));
+      }
+    }
+    // Tiles past capacity: the warp enumerates each one's active units from the dense backup.
+    unsigned over = __ballot_sync(0xffffffffu, c > cap);
+    while (over != 0u) {
+      const int src = __ffs(over) - 1;
+      over &= over - 1u;
+      const int tile = t0 + src, tile_at = __shfl_sync(0xffffffffu, at, src), tile_count = __shfl_sync(0xffffffffu, c, src);
+      const int col0 = tile * tile_n, width = min(tile_n, F - col0);
+      int seen = 0;
+      for (int cc = 0; cc < width; cc += 32) {
+        const int col = cc + lane;
+        const uint32_t bits = col < width ? dense_bits[col0 + col] : 0u;
+        const bool active = col < width && is_active(Dtype16<T>::value(bits));
+        const unsigned mask = __ballot_sync(0xffffffffu, active);
+        const int k = seen + __popc(mask & ((1u << lane) - 1u));
+        if (active && k < tile_count) dst[tile_at + k] = (bits << 16) | static_cast<uint32_t>(col0 + col);
+        seen += __popc(mask);
+      }
+    }
+  }
+}
+
+// 3. The chunks; see the file comment. Shared memory: two slice buffers (F x 16 bytes each), two sets of
+// piece partials (8 floats per thread), two barriers, the chunk's row range.
+template <typename T, bool GATED>
+__global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
+    const T* __restrict__ x,              // [M, K] (gated)
+    const T* __restrict__ w_up_sliced,    // [K / 8, F, 8] (gated)
+    const T* __restrict__ b_up,           // [F] or null
+    const T* __restrict__ w_down_sliced,  // [D / 8, F, 8]: W_down^T's columns, sliced
+    const T* __restrict__ b_down,         // [D] or null
+    T* __restrict__ out,                  // [M, D]
+    const uint32_t* __restrict__ entries, const int64_t* __restrict__ prefix, int64_t M, int K, int D, int F) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t slice_bytes = static_cast<uint32_t>(F) * kSlice * sizeof(T);
+  unsigned char* slices = smem;
+  float4* partials = reinterpret_cast<float4*>(smem + 2 * slice_bytes);  // [2][kChunkThreads][2]
+  uint64_t* full = reinterpret_cast<uint64_t*>(partials + 2 * kChunkThreads * 2);  // [2]: a slice landed
+  int64_t* chunk_rows = reinterpret_cast<int64_t*>(full + 2);
+
+  const int tid = threadIdx.x;
+  const int64_t total_pieces = work_pieces(prefix[M]);
+  if (total_pieces == 0) return;
+  // Chunks of near-equal piece counts, in whole waves of the persistent grid when there are more
+  // than one wave's worth (so no CTA runs one more chunk than the rest).
+  const int64_t grid = gridDim.x;
+  int64_t n_chunks = (total_pieces + kChunkPieces - 1) / kChunkPieces;
+  if (n_chunks > grid) n_chunks = (n_chunks + grid - 1) / grid * grid;
+  const int64_t chunk_size = (total_pieces + n_chunks - 1) / n_chunks;
+  if (blockIdx.x >= n_chunks) return;
+  const int my_chunks = static_cast<int>((n_chunks - 1 - blockIdx.x) / grid + 1);
+  const int up_slices = GATED ? K / kSlice : 0, down_slices = D / kSlice;
+  const int per_chunk = up_slices + down_slices;
+  const int n_stages = my_chunks * per_chunk;
+
+  const auto issue = [&](int stage) {  // one thread: the slice of stage `stage` into buffer stage % 2
+    const int s = stage % per_chunk;
+    const T* src = s < up_slices ? w_up_sliced + static_cast<int64_t>(s) * F * kSlice
+                                 : w_down_sliced + static_cast<int64_t>(s - up_slices) * F * kSlice;
+    ptx::mbarrier_arrive_expect_tx(&full[stage & 1], slice_bytes);
+    ptx::bulk_load(slices + (stage & 1) * slice_bytes, src, slice_bytes, &full[stage & 1]);
+  };
+  if (tid == 0) {
+    ptx::mbarrier_init(&full[0], 1);
+    ptx::mbarrier_init(&full[1], 1);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+  if (tid == 0) {
+    issue(0);
+    if (n_stages > 1) issue(1);
+  }
+
+  int stage = 0;
+  for (int i = 0; i < my_chunks; ++i) {
+    const int64_t chunk = blockIdx.x + static_cast<int64_t>(i) * grid;
+    __syncthreads();  // everyone has read the previous chunk's row range
+    if (tid < 2) chunk_rows[tid] = first_row_with_pieces(prefix, 0, M, (chunk + tid) * chunk_size);
+    __syncthreads();
+    const int64_t row_begin = chunk_rows[0], row_end = chunk_rows[1];
+    const int64_t piece = work_pieces(prefix[row_begin]) + tid;
+
+    // This thread's piece: its row, its place among the row's pieces, its entries.
+    int count = 0, part = 0, parts = 1;
+    int64_t row = 0, first_entry = 0;
+    if (piece < work_pieces(prefix[row_end])) {
+      row = first_row_with_pieces(prefix, row_begin, row_end, piece + 1) - 1;
+      const int64_t here = prefix[row], next = prefix[row + 1];
+      const int len = static_cast<int>(work_entries(next) - work_entries(here));
+      parts = static_cast<int>(work_pieces(next) - work_pieces(here));
+      part = static_cast<int>(piece - work_pieces(here));
+      const int a = len * part / parts, b = len * (part + 1) / parts;
+      first_entry = work_entries(here) + a;
+      count = b - a;
+    }
+    uint32_t offset[kPieceEntries];  // the unit's row in a slice buffer, in bytes
+    float acc[kPieceEntries];        // up projections, then h
+#pragma unroll
+    for (int j = 0; j < kPieceEntries; ++j) {
+      const uint32_t word = j < count ? entries[first_entry + j] : 0u;
+      offset[j] = (word & 0xffffu) * (kSlice * sizeof(T));
+      acc[j] = GATED ? 0.f : Dtype16<T>::value(word >> 16);
+    }
+
+    if constexpr (GATED) {
+      const T* x_row = x + row * K;
+      uint4 x_next = count > 0 ? *reinterpret_cast<const uint4*>(x_row) : make_uint4(0, 0, 0, 0);
+      for (int s = 0; s < up_slices; ++s, ++stage) {
+        float xf[8];
+        unpack8<T>(x_next, xf);
+        if (count > 0 && s + 1 < up_slices) x_next = *reinterpret_cast<const uint4*>(x_row + (s + 1) * kSlice);
+        ptx::mbarrier_wait(&full[stage & 1], (stage >> 1) & 1);
+        const unsigned char* slice = slices + (stage & 1) * slice_bytes;
+#pragma unroll
+        for (int j = 0; j < kPieceEntries; ++j) {
+          if (j < count) {
+            float wf[8];
+            unpack8<T>(*reinterpret_cast<const uint4*>(slice + offset[j]), wf);
+            float a = acc[j];
+#pragma unroll
+            for (int v = 0; v < 8; ++v) a = fmaf(xf[v], wf[v], a);
+            acc[j] = a;
+          }
+        }
+        __syncthreads();  // every thread is done with this buffer
+        if (tid == 0 && stage + 2 < n_stages) issue(stage + 2);
+      }
+      // h = g * round(up + b_up), as eager rounds up(x) to the input dtype before the product.
+#pragma unroll
+      for (int j = 0; j < kPieceEntries; ++j) {
+        if (j < count) {
+          const uint32_t word = entries[first_entry + j];
+          const float up = acc[j] + (b_up != nullptr ? Dtype16<T>::to_float(b_up[word & 0xffffu]) : 0.f);
+          acc[j] = Dtype16<T>::value(word >> 16) * Dtype16<T>::to_float(Dtype16<T>::from_float(up));
+        }
+      }
+    }
+
+    T* out_row = out + row * D;
+    for (int s = 0; s < down_slices; ++s, ++stage) {
+      ptx::mbarrier_wait(&full[stage & 1], (stage >> 1) & 1);
+      const unsigned char* slice = slices + (stage & 1) * slice_bytes;
+      float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < kPieceEntries; ++j) {
+        if (j < count) {
+          float wf[8];
+          unpack8<T>(*reinterpret_cast<const uint4*>(slice + offset[j]), wf);
+#pragma unroll
+          for (int v = 0; v < 8; ++v) o[v] = fmaf(acc[j], wf[v], o[v]);
+        }
+      }
+      float4* mine = partials + ((s & 1) * kChunkThreads + tid) * 2;
+      if (count > 0 && part > 0) {  // a later piece of its row: the first piece adds it
+        mine[0] = make_float4(o[0], o[1], o[2], o[3]);
+        mine[1] = make_float4(o[4], o[5], o[6], o[7]);
+      }
+      __syncthreads();  // this buffer is free, and the partials are visible
+      if (tid == 0 && stage + 2 < n_stages) issue(stage + 2);
+      if (count > 0 && part == 0) {
+        for (int p = 1; p < parts; ++p) {
+          const float4 lo = mine[2 * p], hi = mine[2 * p + 1];
+          o[0] += lo.x; o[1] += lo.y; o[2] += lo.z; o[3] += lo.w;
+          o[4] += hi.x; o[5] += hi.y; o[6] += hi.z; o[7] += hi.w;
+        }
+        const int col = s * kSlice;
+        if (b_down != nullptr) {
+          const uint4 b = *reinterpret_cast<const uint4*>(b_down + col);
+          float bf[8];
+          unpack8<T>(b, bf);
+#pragma unroll
+          for (int v = 0; v < 8; ++v) o[v] += bf[v];
+        }
+        uint4 packed_out;
+        packed_out.x = Dtype16<T>::pair_bits(o[0], o[1]);
+        packed_out.y = Dtype16<T>::pair_bits(o[2], o[3]);
+        packed_out.z = Dtype16<T>::pair_bits(o[4], o[5]);
+        packed_out.w = Dtype16<T>::pair_bits(o[6], o[7]);
+        *reinterpret_cast<uint4*>(out_row + col) = packed_out;
+      }
+    }
+  }
+}
+
+template <typename T>
+const T* data_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? reinterpret_cast<const T*>(t->data_ptr()) : nullptr;
+}
+
+bool aligned16(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15u) == 0; }
+
+template <typename T>
+void run_chunked(const c10::optional<at::Tensor>& x, const at::Tensor& packed, const at::Tensor& counts,
+                 const at::Tensor& dense, const DenseBlockTest& dense_test, const c10::optional<at::Tensor>& w_up_sliced,
+                 const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_sliced,
+                 const c10::optional<at::Tensor>& b_down, at::Tensor& out, const at::Tensor& heavy_rows,
+                 const at::Tensor& heavy_count, int64_t tile_n, int64_t ctas, int64_t max_entries) {
+  const bool gated = w_up_sliced.has_value();
+  const int64_t M = out.size(0);
+  const int D = static_cast<int>(out.size(1));
+  const int F = static_cast<int>(w_down_sliced.size(1));
+  const int K = gated ? static_cast<int>(x->size(1)) : 0;
+  const int n_tiles = static_cast<int>(counts.size(1));
+  const int cap = static_cast<int>(packed.size(2));
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto longs = out.options().dtype(at::kLong);
+  at::Tensor work = at::empty({M}, longs);
+  at::Tensor prefix = at::empty({M + 1}, longs);
+  at::Tensor entries = at::empty({max_entries}, out.options().dtype(at::kInt));
+  C10_CUDA_CHECK(cudaMemsetAsync(prefix.data_ptr(), 0, sizeof(int64_t), stream));
+  const unsigned row_blocks = static_cast<unsigned>((M + kWorkThreads / 32 - 1) / (kWorkThreads / 32));
+  chunk_row_work_kernel<T><<<row_blocks, kWorkThreads, 0, stream>>>(
+      counts.data_ptr<int>(), n_tiles, M, dense_test, work.data_ptr<int64_t>(), heavy_rows.data_ptr<int>(),
+      heavy_count.data_ptr<int>(), data_or_null<T>(b_down), reinterpret_cast<T*>(out.data_ptr()), D);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::Tensor prefix_tail = prefix.narrow(0, 1, M);
+  at::cumsum_out(prefix_tail, work, 0);
+  flatten_entries_kernel<T><<<row_blocks, kWorkThreads, 0, stream>>>(
+      reinterpret_cast<const uint32_t*>(packed.data_ptr<int>()), counts.data_ptr<int>(),
+      reinterpret_cast<const T*>(dense.data_ptr()), prefix.data_ptr<int64_t>(), M, n_tiles, cap,
+      static_cast<int>(tile_n), F, reinterpret_cast<uint32_t*>(entries.data_ptr<int>()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const size_t smem = chunked_smem_bytes(F, sizeof(T));
+  const auto launch = [&](auto kernel) {
+    const KernelLaunch chunk_launch(kernel, dim3(static_cast<unsigned>(ctas)), kChunkThreads, smem, 1);
+    chunk_launch.run(kernel, gated ? reinterpret_cast<const T*>(x->data_ptr()) : nullptr, data_or_null<T>(w_up_sliced),
+                     data_or_null<T>(b_up), reinterpret_cast<const T*>(w_down_sliced.data_ptr()), data_or_null<T>(b_down),
+                     reinterpret_cast<T*>(out.data_ptr()), reinterpret_cast<const uint32_t*>(entries.data_ptr<int>()),
+                     static_cast<const int64_t*>(prefix.data_ptr<int64_t>()), M, K, D, F);
+  };
+  if (gated) launch(chunked_mlp_kernel<T, true>);
+  else launch(chunked_mlp_kernel<T, false>);
+}
+
+}  // namespace
+
+size_t chunked_smem_bytes(int64_t F, int64_t element_size) {
+  return static_cast<size_t>(2 * F * kSlice * element_size) + 2 * kChunkThreads * 2 * sizeof(float4) +
+         2 * sizeof(uint64_t) + 2 * sizeof(int64_t);
+}
+
+bool chunked_sparse_fits(int64_t K, int64_t F, int64_t D, int64_t element_size, bool gated) {
+  int device = 0, max_smem = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return F >= 1 && F <= 0xffff && D % kSlice == 0 && (!gated || K % kSlice == 0) &&
+         chunked_smem_bytes(F, element_size) <= static_cast<size_t>(max_smem);
+}
+
+void chunked_sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed, const at::Tensor& counts,
+                            const at::Tensor& dense, const at::Tensor& block_nnz,
+                            const c10::optional<at::Tensor>& w_up_sliced, const c10::optional<at::Tensor>& b_up,
+                            const at::Tensor& w_down_sliced, const c10::optional<at::Tensor>& b_down, at::Tensor& out,
+                            const at::Tensor& heavy_rows, const at::Tensor& heavy_count, int64_t tile_n,
+                            int64_t thr_full, int64_t thr_last, int64_t thr_heavy, int64_t ctas) {
+  const bool gated = w_up_sliced.has_value();
+  TORCH_CHECK(ctas >= 1, "twell: ctas must be positive");
+  const int64_t M = out.size(0), D = out.size(1);
+  TORCH_CHECK(!gated || x.has_value(), "twell: the gated chunked kernel needs x");
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 2, "twell: out must be a contiguous CUDA matrix");
+  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == M,
+              "twell: packed must be a contiguous int32 [M, tiles, cap] tensor");
+  TORCH_CHECK(counts.scalar_type() == at::kInt && counts.is_contiguous() && counts.size(0) == M &&
+                  counts.size(1) == packed.size(1), "twell: counts must be int32 [M, tiles]");
+  TORCH_CHECK(w_down_sliced.dim() == 3 && w_down_sliced.is_contiguous() && w_down_sliced.size(2) == kSlice &&
+                  w_down_sliced.size(0) * kSlice == D && w_down_sliced.scalar_type() == out.scalar_type(),
+              "twell: w_down_sliced must be [D / 8, F, 8] in out's dtype");
+  const int64_t F = w_down_sliced.size(1);
+  TORCH_CHECK(dense.is_contiguous() && dense.size(0) == M && dense.size(1) == F, "twell: dense must be [M, F]");
+  TORCH_CHECK(tile_n >= 1 && tile_n <= 256 && packed.size(1) == (F + tile_n - 1) / tile_n, "twell: bad tile_n");
+  TORCH_CHECK(M <= 0x7fffffff, "twell: too many rows");
+  TORCH_CHECK(heavy_rows.scalar_type() == at::kInt && heavy_rows.numel() >= M && heavy_count.scalar_type() == at::kInt &&
+                  heavy_count.numel() >= 1, "twell: heavy_rows must be int32 [M] and heavy_count int32 [1]");
+  if (gated) {
+    TORCH_CHECK(x->is_contiguous() && x->size(0) == M && aligned16(*x) && x->scalar_type() == out.scalar_type(),
+                "twell: x must be contiguous, 16-byte aligned, in out's dtype");
+    TORCH_CHECK(w_up_sliced->dim() == 3 && w_up_sliced->is_contiguous() && w_up_sliced->size(0) * kSlice == x->size(1) &&
+                    w_up_sliced->size(1) == F && w_up_sliced->size(2) == kSlice,
+                "twell: w_up_sliced must be [K / 8, F, 8]");
+  }
+  TORCH_CHECK(aligned16(out) && aligned16(w_down_sliced) && (!gated || aligned16(*w_up_sliced)) &&
+                  (!b_down.has_value() || (b_down->is_contiguous() && aligned16(*b_down))),
+              "twell: the chunked kernel's operands must be 16-byte aligned");
+  TORCH_CHECK(chunked_sparse_fits(gated ? x->size(1) : 0, F, D, out.element_size(), gated),
+              "twell: this shape does not fit the chunked sparse kernel (F = ", F, ")");
+  const DenseBlockTest dense_test = dense_block_test(block_nnz, M, out.device(), thr_full, thr_last, thr_heavy);
+  if (M == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  // Entries the chunks can hold: rows of at most kChunkMaxRowEntries, in sparse blocks (each at most
+  // its threshold's active units).
+  const int64_t n_blocks = (M + kDecisionRows - 1) / kDecisionRows;
+  const int64_t max_entries =
+      std::max<int64_t>(1, std::min<int64_t>(M * kChunkMaxRowEntries, (n_blocks - 1) * thr_full + thr_last));
+  TORCH_CHECK(max_entries < (int64_t{1} << 31), "twell: too many entries for the chunked kernel");
+  if (out.scalar_type() == at::kBFloat16) {
+    run_chunked<__nv_bfloat16>(x, packed, counts, dense, dense_test, w_up_sliced, b_up, w_down_sliced, b_down, out,
+                               heavy_rows, heavy_count, tile_n, ctas, max_entries);
+  } else if (out.scalar_type() == at::kHalf) {
+    run_chunked<__half>(x, packed, counts, dense, dense_test, w_up_sliced, b_up, w_down_sliced, b_down, out, heavy_rows,
+                        heavy_count, tile_n, ctas, max_entries);
+  } else {
+    TORCH_CHECK(false, "twell: the CUDA kernels take bfloat16 or float16, got ", out.scalar_type());
+  }
+}
+
+}  // namespace twell

@@ -1,0 +1,130 @@
+"""The chunked sparse kernel (csrc/twell_sparse_chunked.cu) against a float64 reference (``pytest -m
+cuda``; skipped without a Hopper GPU).
+
+It serves calls of at least ``config.chunked_sparse_rows`` rows; here that limit is lowered so that
+small problems take it too. Rows with more than 512 active units go to the row-by-row kernel's row
+list, so the adversarial cases check the two together. Buffers are poisoned, so unwritten rows show.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import requires_twell_kernels
+from test_cuda_kernels import ADVERSARIAL, PATHS, _check, _run, kernel_config
+from twell_compile.kernels import build, twell_mlp
+from twell_compile.testing import make_problem
+
+pytestmark = pytest.mark.cuda
+
+CHUNKED = dict(chunked_sparse_rows=129)  # every call past the entry-split sizes
+
+
+def _run_chunked(problem, gated, path="auto", **extra):
+    with kernel_config(**CHUNKED, **extra):
+        return _run(problem, gated, path)
+
+
+def _plan_is_chunked(m, f, d):
+    with kernel_config(**CHUNKED):
+        return twell_mlp.call_plan(m, f, d, torch.device("cuda")).cuda.chunked
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("m", [129, 300, 4097])
+@pytest.mark.parametrize("shape", [(2048, 5632, 2048), (264, 1000, 200), (1024, 2048, 512)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_uniform_sparsity(m, shape, dtype, bias, gated):
+    k, f, d = shape
+    assert _plan_is_chunked(m, f, d)
+    problem = make_problem(m, k, f, d, nnz_per_row=min(24.0, f / 8), gated=gated, bias=bias, dtype=dtype)
+    for path in ("auto", "sparse"):
+        _check(*_run_chunked(problem, gated, path), f"m={m} {shape} {dtype} bias={bias} gated={gated} {path}")
+
+
+# Rows of 33-512 active units: two to sixteen pieces each, their partials summed by the first.
+MULTI_PIECE = {"pieces_2_to_4": dict(nnz_per_row=80.0), "pieces_up_to_16": dict(nnz_per_row=300.0, skew=True)}
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("case", sorted(ADVERSARIAL) + sorted(MULTI_PIECE))
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("path", ["auto", "sparse"])
+def test_adversarial_sparsity(case, gated, path):
+    kwargs = dict(ADVERSARIAL.get(case) or MULTI_PIECE[case])
+    k, f, d = 2048, 5632, 2048
+    if kwargs["nnz_per_row"] < 1:
+        kwargs["nnz_per_row"] *= f
+    problem = make_problem(1000, k, f, d, gated=gated, bias=True, **kwargs)
+    _check(*_run_chunked(problem, gated, path), f"{case} gated={gated} path={path}")
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_many_chunks_per_cta_and_deterministic(gated, monkeypatch):
+    # Four CTAs for a 4097-row call: each runs several chunks back to back (the slice pipeline carries
+    # over from one chunk to the next). The result must not depend on the grid, nor change run to run.
+    problem = make_problem(4097, 2048, 5632, gated=gated, bias=True, nnz_per_row=60.0, skew=True)
+    first, ref64, dense_same_dtype = _run_chunked(problem, gated, "sparse")
+    _check(first, ref64, dense_same_dtype, "all SMs")
+    again, _, _ = _run_chunked(problem, gated, "sparse")
+    assert torch.equal(first, again)
+    monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 4)
+    few, _, _ = _run_chunked(problem, gated, "sparse")
+    assert torch.equal(first, few)
+
+
+@requires_twell_kernels
+def test_agrees_with_the_row_by_row_kernel():
+    # Rows of one piece sum their entries in the same order as the row-by-row kernel; the up projection
+    # is summed in another order, so the two agree to rounding, not bit for bit.
+    problem = make_problem(2048, 2048, 5632, nnz_per_row=24.0, bias=True)
+    chunked, ref64, _ = _run_chunked(problem, True)
+    with kernel_config(chunked_sparse_rows=0):
+        row_by_row, _, _ = _run(problem, True, "auto")
+    scale = ref64.abs().max().item()
+    assert (chunked.double() - row_by_row.double()).abs().max().item() <= 2e-2 * scale
+
+
+@requires_twell_kernels
+def test_cuda_graph_capture_and_replay():
+    problem = make_problem(1024, 2048, 5632, nnz_per_row=24.0, bias=True)
+    args = problem.gated_args()
+    with kernel_config(**CHUNKED):
+        eager = torch.ops.twell.gated_relu_mlp(*args)  # warm-up: builds the plan and the weight caches
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = torch.ops.twell.gated_relu_mlp(*args)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(static_out, eager)
+
+
+@requires_twell_kernels
+def test_weight_update_invalidates_sliced_weights():
+    problem = make_problem(1024, 2048, 5632, nnz_per_row=24.0)
+    args = list(problem.gated_args())
+    with kernel_config(**CHUNKED):
+        before = torch.ops.twell.gated_relu_mlp(*args)
+        with torch.no_grad():
+            args[2].mul_(-2.0)  # in place: the up weight
+            args[3].mul_(0.5)  # and the down weight
+        after = torch.ops.twell.gated_relu_mlp(*args)
+    torch.testing.assert_close(after, before * -1.0, rtol=2e-2, atol=2e-2 * before.abs().max().item())
+
+
+@requires_twell_kernels
+def test_shapes_that_do_not_fit_are_declined():
+    ext = build.cuda_extension()
+    assert ext.chunked_sparse_fits(2048, 5632, 2048, 2, True)
+    assert not ext.chunked_sparse_fits(4096, 11008, 4096, 2, True)  # two slices of 11008 units: 352 KB
+    assert not ext.chunked_sparse_fits(2048, 5632, 2044, 2, True)  # D % 8
+    assert not _plan_is_chunked(4097, 11008, 4096)
+    assert not _plan_is_chunked(128, 5632, 2048)  # the entry split's sizes
+    with kernel_config(chunked_sparse_rows=0):
+        assert not twell_mlp.call_plan(131072, 5632, 2048, torch.device("cuda")).cuda.chunked
