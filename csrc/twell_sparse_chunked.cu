@@ -115,9 +115,43 @@ __global__ void __launch_bounds__(kWorkThreads) chunk_row_work_kernel(
   if (lane == 0) work[row] = w;
 }
 
+// The chunk kernel's threads read their entries' slice rows from shared memory, 16 bytes each, so the
+// 8 lanes of a quarter warp conflict when their units share a bank group (unit % 8): under random units
+// a load took about 8.4 wavefronts instead of 4 (Nsight Compute, H100). A piece whose global index is
+// p runs on a lane l with l % 8 == p % 8 (see chunked_mlp_kernel), so its entries are ordered here, for
+// that lane, to put bank group (j + p) % 8 at position j where the piece has one left (else the next
+// group round that has): the lanes of a quarter warp then want different groups at each step. Greedy
+// and deterministic (a group's entries keep their order). A warp per piece of at most 32 entries.
+__device__ void order_piece_for_banks(uint32_t* __restrict__ piece, int n, int rotation, int lane) {
+  const uint32_t word = lane < n ? piece[lane] : 0u;
+  const int group = lane < n ? static_cast<int>(word & 7u) : 8;
+  const int rank = __popc(__match_any_sync(0xffffffffu, group) & ((1u << lane) - 1u));
+  uint64_t sizes = 0;  // entries per group, a byte each
+  unsigned nonempty = 0;
+#pragma unroll
+  for (int g = 0; g < 8; ++g) {
+    const int size = __popc(__ballot_sync(0xffffffffu, group == g));
+    sizes |= static_cast<uint64_t>(size) << (8 * g);
+    nonempty |= (size > 0 ? 1u : 0u) << g;
+  }
+  uint64_t taken = 0;
+  int position = 0;
+  for (int j = 0; j < n; ++j) {
+    const int want = (j + rotation) & 7;
+    const unsigned rotated = ((nonempty >> want) | (nonempty << (8 - want))) & 0xffu;
+    const int g = (want + __ffs(rotated) - 1) & 7;
+    const int k = static_cast<int>((taken >> (8 * g)) & 0xffu);
+    if (group == g && rank == k) position = j;
+    taken += uint64_t{1} << (8 * g);
+    if (k + 1 == static_cast<int>((sizes >> (8 * g)) & 0xffu)) nonempty &= ~(1u << g);
+  }
+  __syncwarp();  // every lane has its word before any is overwritten
+  if (lane < n) piece[position] = word;
+}
+
 // 2. Per row taken (a warp each): its entries, in the row-by-row kernel's order (tile by tile, packed
 // slots, or the dense backup of tiles past capacity), into entries[] at the row's offset, one word each:
-// value bits << 16 | unit.
+// value bits << 16 | unit; then each piece's entries reordered for shared-memory banks (above).
 template <typename T>
 __global__ void __launch_bounds__(kWorkThreads) flatten_entries_kernel(
     const uint32_t* __restrict__ packed, const int* __restrict__ counts, const T* __restrict__ dense,
@@ -173,10 +207,34 @@ __global__ void __launch_bounds__(kWorkThreads) flatten_entries_kernel(
       }
     }
   }
+  __syncwarp();  // the row's entries are written (and visible to the warp)
+  const int64_t first_piece = work_pieces(prefix[row]);
+  const int len = static_cast<int>(work_entries(prefix[row + 1]) - begin);
+  const int parts = static_cast<int>(work_pieces(prefix[row + 1]) - first_piece);
+  for (int part = 0; part < parts; ++part)
+    order_piece_for_banks(dst + len * part / parts, len * (part + 1) / parts - len * part / parts,
+                          static_cast<int>((first_piece + part) & 7), lane);
 }
 
-// 3. The chunks; see the file comment. Shared memory: two slice buffers (F x 16 bytes each), two sets of
-// piece partials (8 floats per thread), two barriers, the chunk's row range.
+// 3. The chunks; see the file comment. Shared memory: two slice buffers (F x 16 bytes each, then one
+// zero unit that padding entries read), two sets of piece partials (8 floats per piece), two barriers,
+// the chunk's row range. At a chunk's start the partials' space holds the pieces' order instead.
+//
+// Thread order. A warp steps through its lanes' entries together, so it runs as long as its longest
+// piece, and all warps meet at every slice. So each chunk's pieces are sorted by entry count, longest
+// first, within each class of piece index mod 8 (piece p goes to a thread t with t % 8 == p % 8, which
+// the bank order of flatten_entries_kernel assumes). Which thread runs a piece changes no result: a
+// piece's sums depend only on its entries (in flatten's order), and a row's pieces add their partials
+// in piece order. Entries are read four at a time, warp-uniformly; past a piece's end they read the
+// zero unit (a shared address, so no bank conflict) with h = 0.
+struct PieceOrder {
+  int row, first_entry;
+  int count_and_parts;  // entries | (the row's piece count if this is its first piece, else 0) << 8
+  int local;            // the piece's index in the chunk: where its partials go
+};
+constexpr int kCountBuckets = kPieceEntries + 1;  // entry counts 0 (idle thread) .. kPieceEntries
+constexpr int kLoadGroup = 4;                     // slice loads in flight per thread
+
 template <typename T, bool GATED>
 __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
     const T* __restrict__ x,              // [M, K] (gated)
@@ -188,19 +246,24 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
     const uint32_t* __restrict__ entries, const int64_t* __restrict__ prefix, int64_t M, int K, int D, int F) {
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t slice_bytes = static_cast<uint32_t>(F) * kSlice * sizeof(T);
+  const uint32_t buffer_bytes = slice_bytes + kSlice * sizeof(T);  // the slice, then the zero unit
   unsigned char* slices = smem;
-  float4* partials = reinterpret_cast<float4*>(smem + 2 * slice_bytes);  // [2][kChunkThreads][2]
+  float4* partials = reinterpret_cast<float4*>(smem + 2 * buffer_bytes);  // [2][kChunkThreads][2]
   uint64_t* full = reinterpret_cast<uint64_t*>(partials + 2 * kChunkThreads * 2);  // [2]: a slice landed
   int64_t* chunk_rows = reinterpret_cast<int64_t*>(full + 2);
+  int* buckets = reinterpret_cast<int*>(partials);  // [8][kCountBuckets], at a chunk's start
+  PieceOrder* order = reinterpret_cast<PieceOrder*>(buckets + 8 * kCountBuckets);  // [kChunkThreads]
 
   const int tid = threadIdx.x;
   const int64_t total_pieces = work_pieces(prefix[M]);
   if (total_pieces == 0) return;
   // Chunks of near-equal piece counts, in whole waves of the persistent grid when there are more
-  // than one wave's worth (so no CTA runs one more chunk than the rest).
+  // than one wave's worth (so no CTA runs one more chunk than the rest), else one per CTA (smaller
+  // chunks, but every SM streams and gathers).
   const int64_t grid = gridDim.x;
   int64_t n_chunks = (total_pieces + kChunkPieces - 1) / kChunkPieces;
   if (n_chunks > grid) n_chunks = (n_chunks + grid - 1) / grid * grid;
+  else n_chunks = grid < total_pieces ? grid : total_pieces;
   const int64_t chunk_size = (total_pieces + n_chunks - 1) / n_chunks;
   if (blockIdx.x >= n_chunks) return;
   const int my_chunks = static_cast<int>((n_chunks - 1 - blockIdx.x) / grid + 1);
@@ -213,13 +276,14 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
     const T* src = s < up_slices ? w_up_sliced + static_cast<int64_t>(s) * F * kSlice
                                  : w_down_sliced + static_cast<int64_t>(s - up_slices) * F * kSlice;
     ptx::mbarrier_arrive_expect_tx(&full[stage & 1], slice_bytes);
-    ptx::bulk_load(slices + (stage & 1) * slice_bytes, src, slice_bytes, &full[stage & 1]);
+    ptx::bulk_load(slices + (stage & 1) * buffer_bytes, src, slice_bytes, &full[stage & 1]);
   };
   if (tid == 0) {
     ptx::mbarrier_init(&full[0], 1);
     ptx::mbarrier_init(&full[1], 1);
     ptx::fence_barrier_init();
   }
+  if (tid < 2) *reinterpret_cast<uint4*>(slices + tid * buffer_bytes + slice_bytes) = make_uint4(0u, 0u, 0u, 0u);
   __syncthreads();
   if (tid == 0) {
     issue(0);
@@ -229,52 +293,83 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
   int stage = 0;
   for (int i = 0; i < my_chunks; ++i) {
     const int64_t chunk = blockIdx.x + static_cast<int64_t>(i) * grid;
-    __syncthreads();  // everyone has read the previous chunk's row range
+    __syncthreads();  // everyone is done with the previous chunk (its row range, its partials)
     if (tid < 2) chunk_rows[tid] = first_row_with_pieces(prefix, 0, M, (chunk + tid) * chunk_size);
+    for (int b = tid; b < 8 * kCountBuckets; b += kChunkThreads) buckets[b] = 0;
     __syncthreads();
     const int64_t row_begin = chunk_rows[0], row_end = chunk_rows[1];
     const int64_t piece = work_pieces(prefix[row_begin]) + tid;
 
-    // This thread's piece: its row, its place among the row's pieces, its entries.
-    int count = 0, part = 0, parts = 1;
-    int64_t row = 0, first_entry = 0;
+    // This thread's natural piece (the chunk's tid-th): its row and entries.
+    PieceOrder mine{0, 0, 0, tid};
+    int natural_count = 0;
     if (piece < work_pieces(prefix[row_end])) {
-      row = first_row_with_pieces(prefix, row_begin, row_end, piece + 1) - 1;
+      const int64_t row = first_row_with_pieces(prefix, row_begin, row_end, piece + 1) - 1;
       const int64_t here = prefix[row], next = prefix[row + 1];
       const int len = static_cast<int>(work_entries(next) - work_entries(here));
-      parts = static_cast<int>(work_pieces(next) - work_pieces(here));
-      part = static_cast<int>(piece - work_pieces(here));
+      const int parts = static_cast<int>(work_pieces(next) - work_pieces(here));
+      const int part = static_cast<int>(piece - work_pieces(here));
       const int a = len * part / parts, b = len * (part + 1) / parts;
-      first_entry = work_entries(here) + a;
-      count = b - a;
+      natural_count = b - a;
+      mine.row = static_cast<int>(row);
+      mine.first_entry = static_cast<int>(work_entries(here) + a);
+      mine.count_and_parts = natural_count | (part == 0 ? parts : 0) << 8;
     }
-    uint32_t offset[kPieceEntries];  // the unit's row in a slice buffer, in bytes
-    float acc[kPieceEntries];        // up projections, then h
+    const int cls = static_cast<int>(piece & 7);
+    const int bucket = kPieceEntries - natural_count;  // longest first
+    const int slot = atomicAdd(&buckets[cls * kCountBuckets + bucket], 1);
+    __syncthreads();
+    if (tid < 8) {  // exclusive prefix over the class's buckets
+      int sum = 0;
+      for (int b = 0; b < kCountBuckets; ++b) {
+        const int n = buckets[tid * kCountBuckets + b];
+        buckets[tid * kCountBuckets + b] = sum;
+        sum += n;
+      }
+    }
+    __syncthreads();
+    order[8 * (buckets[cls * kCountBuckets + bucket] + slot) + cls] = mine;  // each class has 64 threads
+    __syncthreads();
+    const PieceOrder job = order[tid];
+    const int count = job.count_and_parts & 0xff;
+    // A row's first piece adds the partials of its other pieces, the next ones in the chunk.
+    const int job_parts = job.count_and_parts >> 8;
+    const int groups = (__reduce_max_sync(0xffffffffu, static_cast<unsigned>(count)) + kLoadGroup - 1) / kLoadGroup;
+
+    uint32_t offset[kPieceEntries];  // the unit's row in a slice buffer, in bytes (padding: the zero unit)
+    float acc[kPieceEntries];        // up projections, then h (padding: 0)
 #pragma unroll
     for (int j = 0; j < kPieceEntries; ++j) {
-      const uint32_t word = j < count ? entries[first_entry + j] : 0u;
-      offset[j] = (word & 0xffffu) * (kSlice * sizeof(T));
-      acc[j] = GATED ? 0.f : Dtype16<T>::value(word >> 16);
+      const uint32_t word = j < count ? entries[job.first_entry + j] : 0u;
+      offset[j] = j < count ? (word & 0xffffu) * (kSlice * sizeof(T)) : slice_bytes;
+      acc[j] = GATED || j >= count ? 0.f : Dtype16<T>::value(word >> 16);
     }
+    __syncthreads();  // the order is read before the partials' space is written
 
     if constexpr (GATED) {
-      const T* x_row = x + row * K;
+      const T* x_row = x + static_cast<int64_t>(job.row) * K;
       uint4 x_next = count > 0 ? *reinterpret_cast<const uint4*>(x_row) : make_uint4(0, 0, 0, 0);
       for (int s = 0; s < up_slices; ++s, ++stage) {
         float xf[8];
         unpack8<T>(x_next, xf);
         if (count > 0 && s + 1 < up_slices) x_next = *reinterpret_cast<const uint4*>(x_row + (s + 1) * kSlice);
         ptx::mbarrier_wait(&full[stage & 1], (stage >> 1) & 1);
-        const unsigned char* slice = slices + (stage & 1) * slice_bytes;
+        const unsigned char* slice = slices + (stage & 1) * buffer_bytes;
 #pragma unroll
-        for (int j = 0; j < kPieceEntries; ++j) {
-          if (j < count) {
-            float wf[8];
-            unpack8<T>(*reinterpret_cast<const uint4*>(slice + offset[j]), wf);
-            float a = acc[j];
+        for (int g = 0; g < kPieceEntries / kLoadGroup; ++g) {
+          if (g < groups) {
+            uint4 w[kLoadGroup];
 #pragma unroll
-            for (int v = 0; v < 8; ++v) a = fmaf(xf[v], wf[v], a);
-            acc[j] = a;
+            for (int l = 0; l < kLoadGroup; ++l) w[l] = *reinterpret_cast<const uint4*>(slice + offset[g * kLoadGroup + l]);
+#pragma unroll
+            for (int l = 0; l < kLoadGroup; ++l) {
+              float wf[8];
+              unpack8<T>(w[l], wf);
+              float a = acc[g * kLoadGroup + l];
+#pragma unroll
+              for (int v = 0; v < 8; ++v) a = fmaf(xf[v], wf[v], a);
+              acc[g * kLoadGroup + l] = a;
+            }
           }
         }
         __syncthreads();  // every thread is done with this buffer
@@ -284,37 +379,45 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
 #pragma unroll
       for (int j = 0; j < kPieceEntries; ++j) {
         if (j < count) {
-          const uint32_t word = entries[first_entry + j];
+          const uint32_t word = entries[job.first_entry + j];
           const float up = acc[j] + (b_up != nullptr ? Dtype16<T>::to_float(b_up[word & 0xffffu]) : 0.f);
           acc[j] = Dtype16<T>::value(word >> 16) * Dtype16<T>::to_float(Dtype16<T>::from_float(up));
+        } else {
+          acc[j] = 0.f;
         }
       }
     }
 
-    T* out_row = out + row * D;
+    T* out_row = out + static_cast<int64_t>(job.row) * D;
     for (int s = 0; s < down_slices; ++s, ++stage) {
       ptx::mbarrier_wait(&full[stage & 1], (stage >> 1) & 1);
-      const unsigned char* slice = slices + (stage & 1) * slice_bytes;
+      const unsigned char* slice = slices + (stage & 1) * buffer_bytes;
       float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int j = 0; j < kPieceEntries; ++j) {
-        if (j < count) {
-          float wf[8];
-          unpack8<T>(*reinterpret_cast<const uint4*>(slice + offset[j]), wf);
+      for (int g = 0; g < kPieceEntries / kLoadGroup; ++g) {
+        if (g < groups) {
+          uint4 w[kLoadGroup];
 #pragma unroll
-          for (int v = 0; v < 8; ++v) o[v] = fmaf(acc[j], wf[v], o[v]);
+          for (int l = 0; l < kLoadGroup; ++l) w[l] = *reinterpret_cast<const uint4*>(slice + offset[g * kLoadGroup + l]);
+#pragma unroll
+          for (int l = 0; l < kLoadGroup; ++l) {
+            float wf[8];
+            unpack8<T>(w[l], wf);
+#pragma unroll
+            for (int v = 0; v < 8; ++v) o[v] = fmaf(acc[g * kLoadGroup + l], wf[v], o[v]);
+          }
         }
       }
-      float4* mine = partials + ((s & 1) * kChunkThreads + tid) * 2;
-      if (count > 0 && part > 0) {  // a later piece of its row: the first piece adds it
-        mine[0] = make_float4(o[0], o[1], o[2], o[3]);
-        mine[1] = make_float4(o[4], o[5], o[6], o[7]);
+      float4* held = partials + ((s & 1) * kChunkThreads + job.local) * 2;
+      if (count > 0 && job_parts == 0) {  // a later piece of its row: the owner adds it
+        held[0] = make_float4(o[0], o[1], o[2], o[3]);
+        held[1] = make_float4(o[4], o[5], o[6], o[7]);
       }
       __syncthreads();  // this buffer is free, and the partials are visible
       if (tid == 0 && stage + 2 < n_stages) issue(stage + 2);
-      if (count > 0 && part == 0) {
-        for (int p = 1; p < parts; ++p) {
-          const float4 lo = mine[2 * p], hi = mine[2 * p + 1];
+      if (count > 0 && job_parts > 0) {
+        for (int p = 1; p < job_parts; ++p) {
+          const float4 lo = held[2 * p], hi = held[2 * p + 1];
           o[0] += lo.x; o[1] += lo.y; o[2] += lo.z; o[3] += lo.w;
           o[4] += hi.x; o[5] += hi.y; o[6] += hi.z; o[7] += hi.w;
         }
@@ -390,7 +493,9 @@ void run_chunked(const c10::optional<at::Tensor>& x, const at::Tensor& packed, c
 }  // namespace
 
 size_t chunked_smem_bytes(int64_t F, int64_t element_size) {
-  return static_cast<size_t>(2 * F * kSlice * element_size) + 2 * kChunkThreads * 2 * sizeof(float4) +
+  static_assert(8 * kCountBuckets * sizeof(int) + kChunkThreads * sizeof(PieceOrder) <=
+                    2 * kChunkThreads * 2 * sizeof(float4), "a chunk's order fits in the partials' space");
+  return static_cast<size_t>(2 * (F + 1) * kSlice * element_size) + 2 * kChunkThreads * 2 * sizeof(float4) +
          2 * sizeof(uint64_t) + 2 * sizeof(int64_t);
 }
 

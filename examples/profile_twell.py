@@ -25,6 +25,10 @@ def main() -> None:
     parser.add_argument("--non-gated", action="store_true")
     parser.add_argument("--dense-path", action="store_true", help="every block forced onto the dense path")
     parser.add_argument("--k-splits", type=int, default=None, help="the wgmma GEMMs' K ranges per tile (0: automatic)")
+    parser.add_argument("--chunked-rows", type=int, default=None,
+                        help="run the chunked sparse kernel for calls of at least this many rows (0: never)")
+    parser.add_argument("--plain", type=int, default=0, metavar="CALLS",
+                        help="only make CALLS calls, without torch.profiler (for Nsight Compute / Systems)")
     args = parser.parse_args()
     from twell_compile.kernels import twell_mlp
 
@@ -32,6 +36,8 @@ def main() -> None:
         twell_mlp.config.dense_block_density = twell_mlp.config.decode_dense_block_density = 0.0
     if args.k_splits is not None:
         twell_mlp.config.gemm_k_splits = args.k_splits
+    if args.chunked_rows is not None:
+        twell_mlp.config.chunked_sparse_rows = args.chunked_rows
     p = make_problem(args.m, args.hidden, args.intermediate, nnz_per_row=args.nnz, skew=args.skew,
                      gated=not args.non_gated)
 
@@ -40,6 +46,11 @@ def main() -> None:
             return torch.ops.twell.relu_mlp(*p.non_gated_args())
         return torch.ops.twell.gated_relu_mlp(*p.gated_args())
 
+    if args.plain:
+        for _ in range(args.plain):
+            call()
+        torch.cuda.synchronize()
+        return
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -48,7 +59,7 @@ def main() -> None:
             call()
         torch.cuda.synchronize()
     print(f"GPU: {torch.cuda.get_device_name()}  M={args.m} nnz={args.nnz} skew={args.skew} "
-          f"dense_path={args.dense_path} k_splits={args.k_splits}  (5 calls)")
+          f"dense_path={args.dense_path} k_splits={args.k_splits} chunked_rows={args.chunked_rows}  (5 calls)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     # The same per kernel, under short names (the templates' epilogue tells the wgmma GEMMs apart).
     for event in prof.key_averages():

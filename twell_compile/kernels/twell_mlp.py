@@ -105,18 +105,17 @@ class KernelConfig:
     decode_gemv_cluster: int = int(os.environ.get("TWELL_DECODE_GEMV_CLUSTER", "0"))
     """CTAs per cluster of the decode GEMVs, which split each column tile along K: 0 chooses (8, or 16
     where 8 would leave SMs idle and the GPU schedules 16); 1 to 16 forces a size (for measurements)."""
-    chunked_sparse_rows: int = int(os.environ.get("TWELL_CHUNKED_SPARSE_ROWS", "0"))
-    """Calls of at least this many rows (0: none, the default) run the sparse blocks' rows through the
-    chunked kernel (csrc/twell_sparse_chunked.cu: chunks of ~500 rows stream all of W_up and W_down^T
-    through shared memory, so each weight byte read from L2 serves several tokens) where the
-    intermediate size fits its shared memory (about 6200 units in 16-bit types). It keeps two more
-    copies of W_up and W_down, sliced, in the weight cache. Off by default: on an H100 at the 2B shape,
-    M = 131072 (CUDA graphs, whole calls), it gained only at 80 active units per row (15.2 against
-    16.7 ms), tied at 24 (9.33 against 9.36 ms) and lost at 39 (10.97 against 10.79 ms) and on skewed
-    activations (16.25 against 15.80 ms): each chunk streams all 46 MB of weights into its SM, and that
-    stream, not L2, sets the pace (clusters of 2 and 4 CTAs sharing each slice by multicast, tried once,
-    were slower still: 10.5 and 11.4 ms at 24). Rows with more than 512 active units still run row by
-    row."""
+    chunked_sparse_rows: int = int(os.environ.get("TWELL_CHUNKED_SPARSE_ROWS", "32768"))
+    """Calls of at least this many rows (0: none) run the sparse blocks' rows through the chunked
+    kernel (csrc/twell_sparse_chunked.cu: chunks of ~500 rows stream all of W_up and W_down^T through
+    shared memory, so each weight byte read from L2 serves several tokens) where the intermediate size
+    fits its shared memory (about 6200 units in 16-bit types). It keeps two more copies of W_up and
+    W_down, sliced, in the weight cache (1.75 GB more for the 2B model's 38 layers); set 0 to save that
+    memory. On an H100 at the 2B shape (CUDA graphs, whole calls, 2026-11-23) it gained from 32768 rows
+    on: 2.22 against 2.31 ms at 24 active units per row and 3.33 against 4.13 ms at 80 (M = 32768);
+    8.22 against 9.16 and 13.2 against 16.5 ms at M = 131072; at 16384 rows it lost at 24 (1.53 against
+    1.17 ms), where its ~124-row chunks each still stream all 46 MB of weights. Rows with more than 512
+    active units still run row by row."""
     tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
     """Let the Triton kernels load through TMA descriptors where rows allow (off: pointer loads)."""
     poison_buffers: bool = False
