@@ -9,7 +9,7 @@
 // entry of the chunk that uses the unit. The weights are kept sliced, [K / 8, F, 8], for this
 // (twell_compile/kernels/weight_cache.py).
 //
-// Work: a row's entries are cut into ceil(len / 32) near-equal pieces, one thread each, the piece's
+// Work: a row's entries are cut into ceil(len / 40) near-equal pieces, one thread each, the piece's
 // units and values held in registers for the whole chunk.
 //   up (gated): per slice, a thread adds x[row, 8 columns] . W_up[unit, same columns] for each of its
 //     entries; after the last slice h = g * round(up + b_up), as the row-by-row kernel rounds;
@@ -44,15 +44,26 @@ namespace twell {
 namespace {
 
 constexpr int kChunkThreads = 512;
-constexpr int kPieceEntries = 32;  // entries per thread, in registers
-constexpr int kMaxRowPieces = kChunkMaxRowEntries / kPieceEntries;
+// Entries per thread, in registers (units packed two to a register). A chunk holds at most
+// kChunkThreads pieces and every chunk streams all the weights, so the pieces per row set the time:
+// at 24 active units per row about 4% of rows have more than 32 (two pieces at a cap of 32), which
+// took M = 131072 from two waves of chunks to three.
+// float16's conversions take more registers: 40 entries spilled there, so it keeps 32.
+template <typename T>
+constexpr int kPieceEntries = Dtype16<T>::kBF16 ? 40 : 32;
+template <typename T>
+constexpr int kMaxRowPieces = (kChunkMaxRowEntries + kPieceEntries<T> - 1) / kPieceEntries<T>;
 // Nominal pieces per chunk: cut at row boundaries, a chunk may run up to kMaxRowPieces - 1 over.
-constexpr int kChunkPieces = kChunkThreads - (kMaxRowPieces - 1);
+template <typename T>
+constexpr int kChunkPieces = kChunkThreads - (kMaxRowPieces<T> - 1);
 constexpr int kSlice = kChunkSliceColumns;  // columns of each unit per slice: 16 bytes
 constexpr int kWorkThreads = 256;        // per-row kernels: a warp per row
-static_assert(kChunkMaxRowEntries % kPieceEntries == 0, "whole pieces");
+static_assert(kPieceEntries<__nv_bfloat16> % 4 == 0 && kPieceEntries<__half> % 4 == 0 &&
+                  kPieceEntries<__nv_bfloat16> <= 64 && kPieceEntries<__half> <= 64,
+              "whole load groups and unit pairs; at most two words per lane to order");
 
-__host__ __device__ constexpr int row_pieces(int len) { return (len + kPieceEntries - 1) / kPieceEntries; }
+template <typename T>
+__host__ __device__ constexpr int row_pieces(int len) { return (len + kPieceEntries<T> - 1) / kPieceEntries<T>; }
 
 // A row's work, packed so that one prefix sum gives both offsets: entries << 32 | pieces.
 __device__ __forceinline__ int64_t pack_work(int entries, int pieces) {
@@ -107,7 +118,7 @@ __global__ void __launch_bounds__(kWorkThreads) chunk_row_work_kernel(
       for (int col = lane; col < D; col += 32)
         out[row * D + col] = b_down != nullptr ? b_down[col] : Dtype16<T>::from_float(0.f);
     } else if (total <= kChunkMaxRowEntries) {
-      w = pack_work(total, row_pieces(total));
+      w = pack_work(total, row_pieces<T>(total));
     } else if (lane == 0) {
       heavy_rows[atomicAdd(heavy_count, 1)] = static_cast<int>(row);
     }
@@ -121,32 +132,46 @@ __global__ void __launch_bounds__(kWorkThreads) chunk_row_work_kernel(
 // p runs on a lane l with l % 8 == p % 8 (see chunked_mlp_kernel), so its entries are ordered here, for
 // that lane, to put bank group (j + p) % 8 at position j where the piece has one left (else the next
 // group round that has): the lanes of a quarter warp then want different groups at each step. Greedy
-// and deterministic (a group's entries keep their order). A warp per piece of at most 32 entries.
+// and deterministic (a group's entries keep their order). A warp per piece of at most 64 entries.
 __device__ void order_piece_for_banks(uint32_t* __restrict__ piece, int n, int rotation, int lane) {
-  const uint32_t word = lane < n ? piece[lane] : 0u;
-  const int group = lane < n ? static_cast<int>(word & 7u) : 8;
-  const int rank = __popc(__match_any_sync(0xffffffffu, group) & ((1u << lane) - 1u));
+  // Entry i is held by lane i % 32, as its word i / 32.
+  uint32_t word[2];
+  int group[2], rank[2];
   uint64_t sizes = 0;  // entries per group, a byte each
-  unsigned nonempty = 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int i = h * 32 + lane;
+    word[h] = i < n ? piece[i] : 0u;
+    group[h] = i < n ? static_cast<int>(word[h] & 7u) : 8;
+    rank[h] = __popc(__match_any_sync(0xffffffffu, group[h]) & ((1u << lane) - 1u));
+  }
+  uint64_t first_sizes = 0;  // per group, among the first words
 #pragma unroll
   for (int g = 0; g < 8; ++g) {
-    const int size = __popc(__ballot_sync(0xffffffffu, group == g));
-    sizes |= static_cast<uint64_t>(size) << (8 * g);
-    nonempty |= (size > 0 ? 1u : 0u) << g;
+    const int first = __popc(__ballot_sync(0xffffffffu, group[0] == g));
+    first_sizes |= static_cast<uint64_t>(first) << (8 * g);
+    sizes |= static_cast<uint64_t>(first + __popc(__ballot_sync(0xffffffffu, group[1] == g))) << (8 * g);
   }
+  if (group[1] < 8) rank[1] += static_cast<int>((first_sizes >> (8 * group[1])) & 0xffu);
+  unsigned nonempty = 0;
+#pragma unroll
+  for (int g = 0; g < 8; ++g) nonempty |= (((sizes >> (8 * g)) & 0xffu) != 0 ? 1u : 0u) << g;
   uint64_t taken = 0;
-  int position = 0;
+  int position[2] = {0, 0};
   for (int j = 0; j < n; ++j) {
     const int want = (j + rotation) & 7;
     const unsigned rotated = ((nonempty >> want) | (nonempty << (8 - want))) & 0xffu;
     const int g = (want + __ffs(rotated) - 1) & 7;
     const int k = static_cast<int>((taken >> (8 * g)) & 0xffu);
-    if (group == g && rank == k) position = j;
+    if (group[0] == g && rank[0] == k) position[0] = j;
+    if (group[1] == g && rank[1] == k) position[1] = j;
     taken += uint64_t{1} << (8 * g);
     if (k + 1 == static_cast<int>((sizes >> (8 * g)) & 0xffu)) nonempty &= ~(1u << g);
   }
-  __syncwarp();  // every lane has its word before any is overwritten
-  if (lane < n) piece[position] = word;
+  __syncwarp();  // every lane has its words before any is overwritten
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    if (h * 32 + lane < n) piece[position[h]] = word[h];
 }
 
 // 2. Per row taken (a warp each): its entries, in the row-by-row kernel's order (tile by tile, packed
@@ -232,8 +257,9 @@ struct PieceOrder {
   int count_and_parts;  // entries | (the row's piece count if this is its first piece, else 0) << 8
   int local;            // the piece's index in the chunk: where its partials go
 };
-constexpr int kCountBuckets = kPieceEntries + 1;  // entry counts 0 (idle thread) .. kPieceEntries
-constexpr int kLoadGroup = 4;                     // slice loads in flight per thread
+template <typename T>
+constexpr int kCountBuckets = kPieceEntries<T> + 1;  // entry counts 0 (idle thread) .. kPieceEntries
+constexpr int kLoadGroup = 4;  // slice loads in flight per thread
 
 template <typename T, bool GATED>
 __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
@@ -251,8 +277,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
   float4* partials = reinterpret_cast<float4*>(smem + 2 * buffer_bytes);  // [2][kChunkThreads][2]
   uint64_t* full = reinterpret_cast<uint64_t*>(partials + 2 * kChunkThreads * 2);  // [2]: a slice landed
   int64_t* chunk_rows = reinterpret_cast<int64_t*>(full + 2);
-  int* buckets = reinterpret_cast<int*>(partials);  // [8][kCountBuckets], at a chunk's start
-  PieceOrder* order = reinterpret_cast<PieceOrder*>(buckets + 8 * kCountBuckets);  // [kChunkThreads]
+  int* buckets = reinterpret_cast<int*>(partials);  // [8][kCountBuckets<T>], at a chunk's start
+  PieceOrder* order = reinterpret_cast<PieceOrder*>(buckets + 8 * kCountBuckets<T>);  // [kChunkThreads]
 
   const int tid = threadIdx.x;
   const int64_t total_pieces = work_pieces(prefix[M]);
@@ -261,7 +287,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
   // than one wave's worth (so no CTA runs one more chunk than the rest), else one per CTA (smaller
   // chunks, but every SM streams and gathers).
   const int64_t grid = gridDim.x;
-  int64_t n_chunks = (total_pieces + kChunkPieces - 1) / kChunkPieces;
+  int64_t n_chunks = (total_pieces + kChunkPieces<T> - 1) / kChunkPieces<T>;
   if (n_chunks > grid) n_chunks = (n_chunks + grid - 1) / grid * grid;
   else n_chunks = grid < total_pieces ? grid : total_pieces;
   const int64_t chunk_size = (total_pieces + n_chunks - 1) / n_chunks;
@@ -295,7 +321,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
     const int64_t chunk = blockIdx.x + static_cast<int64_t>(i) * grid;
     __syncthreads();  // everyone is done with the previous chunk (its row range, its partials)
     if (tid < 2) chunk_rows[tid] = first_row_with_pieces(prefix, 0, M, (chunk + tid) * chunk_size);
-    for (int b = tid; b < 8 * kCountBuckets; b += kChunkThreads) buckets[b] = 0;
+    for (int b = tid; b < 8 * kCountBuckets<T>; b += kChunkThreads) buckets[b] = 0;
     __syncthreads();
     const int64_t row_begin = chunk_rows[0], row_end = chunk_rows[1];
     const int64_t piece = work_pieces(prefix[row_begin]) + tid;
@@ -316,19 +342,19 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
       mine.count_and_parts = natural_count | (part == 0 ? parts : 0) << 8;
     }
     const int cls = static_cast<int>(piece & 7);
-    const int bucket = kPieceEntries - natural_count;  // longest first
-    const int slot = atomicAdd(&buckets[cls * kCountBuckets + bucket], 1);
+    const int bucket = kPieceEntries<T> - natural_count;  // longest first
+    const int slot = atomicAdd(&buckets[cls * kCountBuckets<T> + bucket], 1);
     __syncthreads();
     if (tid < 8) {  // exclusive prefix over the class's buckets
       int sum = 0;
-      for (int b = 0; b < kCountBuckets; ++b) {
-        const int n = buckets[tid * kCountBuckets + b];
-        buckets[tid * kCountBuckets + b] = sum;
+      for (int b = 0; b < kCountBuckets<T>; ++b) {
+        const int n = buckets[tid * kCountBuckets<T> + b];
+        buckets[tid * kCountBuckets<T> + b] = sum;
         sum += n;
       }
     }
     __syncthreads();
-    order[8 * (buckets[cls * kCountBuckets + bucket] + slot) + cls] = mine;  // each class has 64 threads
+    order[8 * (buckets[cls * kCountBuckets<T> + bucket] + slot) + cls] = mine;  // each class has 64 threads
     __syncthreads();
     const PieceOrder job = order[tid];
     const int count = job.count_and_parts & 0xff;
@@ -336,14 +362,21 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
     const int job_parts = job.count_and_parts >> 8;
     const int groups = (__reduce_max_sync(0xffffffffu, static_cast<unsigned>(count)) + kLoadGroup - 1) / kLoadGroup;
 
-    uint32_t offset[kPieceEntries];  // the unit's row in a slice buffer, in bytes (padding: the zero unit)
-    float acc[kPieceEntries];        // up projections, then h (padding: 0)
+    uint32_t units[kPieceEntries<T> / 2];  // entry j's unit in bits 16 (j % 2) .. +15 (padding: F, the zero unit)
+    float acc[kPieceEntries<T>];           // up projections, then h (padding: 0)
 #pragma unroll
-    for (int j = 0; j < kPieceEntries; ++j) {
+    for (int j = 0; j < kPieceEntries<T>; ++j) {
       const uint32_t word = j < count ? entries[job.first_entry + j] : 0u;
-      offset[j] = j < count ? (word & 0xffffu) * (kSlice * sizeof(T)) : slice_bytes;
+      const uint32_t unit = j < count ? (word & 0xffffu) : static_cast<uint32_t>(F);
+      if (j % 2 == 0) units[j / 2] = unit;
+      else units[j / 2] |= unit << 16;
       acc[j] = GATED || j >= count ? 0.f : Dtype16<T>::value(word >> 16);
     }
+    // Entry j's row of a slice buffer.
+    const auto row_at = [&](const unsigned char* slice, int j) {
+      const uint32_t unit = j % 2 == 0 ? (units[j / 2] & 0xffffu) : (units[j / 2] >> 16);
+      return *reinterpret_cast<const uint4*>(slice + unit * (kSlice * sizeof(T)));
+    };
     __syncthreads();  // the order is read before the partials' space is written
 
     if constexpr (GATED) {
@@ -356,11 +389,11 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
         ptx::mbarrier_wait(&full[stage & 1], (stage >> 1) & 1);
         const unsigned char* slice = slices + (stage & 1) * buffer_bytes;
 #pragma unroll
-        for (int g = 0; g < kPieceEntries / kLoadGroup; ++g) {
+        for (int g = 0; g < kPieceEntries<T> / kLoadGroup; ++g) {
           if (g < groups) {
             uint4 w[kLoadGroup];
 #pragma unroll
-            for (int l = 0; l < kLoadGroup; ++l) w[l] = *reinterpret_cast<const uint4*>(slice + offset[g * kLoadGroup + l]);
+            for (int l = 0; l < kLoadGroup; ++l) w[l] = row_at(slice, g * kLoadGroup + l);
 #pragma unroll
             for (int l = 0; l < kLoadGroup; ++l) {
               float wf[8];
@@ -377,7 +410,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
       }
       // h = g * round(up + b_up), as eager rounds up(x) to the input dtype before the product.
 #pragma unroll
-      for (int j = 0; j < kPieceEntries; ++j) {
+      for (int j = 0; j < kPieceEntries<T>; ++j) {
         if (j < count) {
           const uint32_t word = entries[job.first_entry + j];
           const float up = acc[j] + (b_up != nullptr ? Dtype16<T>::to_float(b_up[word & 0xffffu]) : 0.f);
@@ -394,11 +427,11 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
       const unsigned char* slice = slices + (stage & 1) * buffer_bytes;
       float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int g = 0; g < kPieceEntries / kLoadGroup; ++g) {
+      for (int g = 0; g < kPieceEntries<T> / kLoadGroup; ++g) {
         if (g < groups) {
           uint4 w[kLoadGroup];
 #pragma unroll
-          for (int l = 0; l < kLoadGroup; ++l) w[l] = *reinterpret_cast<const uint4*>(slice + offset[g * kLoadGroup + l]);
+          for (int l = 0; l < kLoadGroup; ++l) w[l] = row_at(slice, g * kLoadGroup + l);
 #pragma unroll
           for (int l = 0; l < kLoadGroup; ++l) {
             float wf[8];
@@ -493,7 +526,7 @@ void run_chunked(const c10::optional<at::Tensor>& x, const at::Tensor& packed, c
 }  // namespace
 
 size_t chunked_smem_bytes(int64_t F, int64_t element_size) {
-  static_assert(8 * kCountBuckets * sizeof(int) + kChunkThreads * sizeof(PieceOrder) <=
+  static_assert(8 * kCountBuckets<__nv_bfloat16> * sizeof(int) + kChunkThreads * sizeof(PieceOrder) <=
                     2 * kChunkThreads * 2 * sizeof(float4), "a chunk's order fits in the partials' space");
   return static_cast<size_t>(2 * (F + 1) * kSlice * element_size) + 2 * kChunkThreads * 2 * sizeof(float4) +
          2 * sizeof(uint64_t) + 2 * sizeof(int64_t);

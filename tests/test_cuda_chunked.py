@@ -46,7 +46,8 @@ def test_uniform_sparsity(m, shape, dtype, bias, gated):
         _check(*_run_chunked(problem, gated, path), f"m={m} {shape} {dtype} bias={bias} gated={gated} {path}")
 
 
-# Rows of 33-512 active units: two to sixteen pieces each, their partials summed by the first.
+# Rows of 41-512 active units: two to thirteen pieces each (bfloat16; 33-512, two to sixteen in
+# float16), their partials summed by the first.
 MULTI_PIECE = {"pieces_2_to_4": dict(nnz_per_row=80.0), "pieces_up_to_16": dict(nnz_per_row=300.0, skew=True)}
 
 
@@ -80,8 +81,8 @@ def test_many_chunks_per_cta_and_deterministic(gated, monkeypatch):
 
 @requires_twell_kernels
 def test_agrees_with_the_row_by_row_kernel():
-    # Rows of one piece sum their entries in the same order as the row-by-row kernel; the up projection
-    # is summed in another order, so the two agree to rounding, not bit for bit.
+    # The chunked kernel sums a piece's entries in its shared-memory bank order and the up projection in
+    # slices, so the two kernels agree to rounding, not bit for bit.
     problem = make_problem(2048, 2048, 5632, nnz_per_row=24.0, bias=True)
     chunked, ref64, _ = _run_chunked(problem, True)
     with kernel_config(chunked_sparse_rows=0):

@@ -111,11 +111,12 @@ class KernelConfig:
     shared memory, so each weight byte read from L2 serves several tokens) where the intermediate size
     fits its shared memory (about 6200 units in 16-bit types). It keeps two more copies of W_up and
     W_down, sliced, in the weight cache (1.75 GB more for the 2B model's 38 layers); set 0 to save that
-    memory. On an H100 at the 2B shape (CUDA graphs, whole calls, 2026-11-23) it gained from 32768 rows
-    on: 2.22 against 2.31 ms at 24 active units per row and 3.33 against 4.13 ms at 80 (M = 32768);
-    8.22 against 9.16 and 13.2 against 16.5 ms at M = 131072; at 16384 rows it lost at 24 (1.53 against
-    1.17 ms), where its ~124-row chunks each still stream all 46 MB of weights. Rows with more than 512
-    active units still run row by row."""
+    memory. H100, 2B shape, CUDA graphs, whole calls, 2026-11-23: at M = 131072 it took 8.01 against
+    9.21 ms (row by row) at 24 active units per row, 9.30 against 10.71 at 39 and 12.55 against 16.44
+    at 80; at M = 32768, 2.23 against 2.30 and 3.47 against 4.17 ms; at 16384 rows it lost at 24 (1.53
+    against 1.17 ms), hence the limit. In the 2B Llama benchmark (activations from a calibrated gate
+    bias, 19-34 mean active units per layer, some units far more often active than others, which
+    helps the row-by-row kernel's caches) it was 1.3% slower: 1026.7 against 1013.8 ms."""
     tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
     """Let the Triton kernels load through TMA descriptors where rows allow (off: pointer loads)."""
     poison_buffers: bool = False
