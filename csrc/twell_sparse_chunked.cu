@@ -372,10 +372,27 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
       else units[j / 2] |= unit << 16;
       acc[j] = GATED || j >= count ? 0.f : Dtype16<T>::value(word >> 16);
     }
-    // Entry j's row of a slice buffer.
-    const auto row_at = [&](const unsigned char* slice, int j) {
-      const uint32_t unit = j % 2 == 0 ? (units[j / 2] & 0xffffu) : (units[j / 2] >> 16);
-      return *reinterpret_cast<const uint4*>(slice + unit * (kSlice * sizeof(T)));
+    // use(j, w) for each entry j of the piece (and padding up to whole groups) with w its unit's 8
+    // columns in `slice`; the group's rows are loaded before any is used.
+    const auto for_each_entry = [&](const unsigned char* slice, auto&& use) {
+#pragma unroll
+      for (int g = 0; g < kPieceEntries<T> / kLoadGroup; ++g) {
+        if (g < groups) {
+          uint4 rows[kLoadGroup];
+#pragma unroll
+          for (int l = 0; l < kLoadGroup; ++l) {
+            const int j = g * kLoadGroup + l;
+            const uint32_t unit = j % 2 == 0 ? (units[j / 2] & 0xffffu) : (units[j / 2] >> 16);
+            rows[l] = *reinterpret_cast<const uint4*>(slice + unit * (kSlice * sizeof(T)));
+          }
+#pragma unroll
+          for (int l = 0; l < kLoadGroup; ++l) {
+            float w[8];
+            unpack8<T>(rows[l], w);
+            use(g * kLoadGroup + l, w);
+          }
+        }
+      }
     };
     __syncthreads();  // the order is read before the partials' space is written
 
@@ -388,23 +405,12 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
         if (count > 0 && s + 1 < up_slices) x_next = *reinterpret_cast<const uint4*>(x_row + (s + 1) * kSlice);
         ptx::mbarrier_wait(&full[stage & 1], (stage >> 1) & 1);
         const unsigned char* slice = slices + (stage & 1) * buffer_bytes;
+        for_each_entry(slice, [&](int j, const float (&w)[8]) {
+          float a = acc[j];
 #pragma unroll
-        for (int g = 0; g < kPieceEntries<T> / kLoadGroup; ++g) {
-          if (g < groups) {
-            uint4 w[kLoadGroup];
-#pragma unroll
-            for (int l = 0; l < kLoadGroup; ++l) w[l] = row_at(slice, g * kLoadGroup + l);
-#pragma unroll
-            for (int l = 0; l < kLoadGroup; ++l) {
-              float wf[8];
-              unpack8<T>(w[l], wf);
-              float a = acc[g * kLoadGroup + l];
-#pragma unroll
-              for (int v = 0; v < 8; ++v) a = fmaf(xf[v], wf[v], a);
-              acc[g * kLoadGroup + l] = a;
-            }
-          }
-        }
+          for (int v = 0; v < 8; ++v) a = fmaf(xf[v], w[v], a);
+          acc[j] = a;
+        });
         __syncthreads();  // every thread is done with this buffer
         if (tid == 0 && stage + 2 < n_stages) issue(stage + 2);
       }
@@ -426,21 +432,10 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
       ptx::mbarrier_wait(&full[stage & 1], (stage >> 1) & 1);
       const unsigned char* slice = slices + (stage & 1) * buffer_bytes;
       float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for_each_entry(slice, [&](int j, const float (&w)[8]) {
 #pragma unroll
-      for (int g = 0; g < kPieceEntries<T> / kLoadGroup; ++g) {
-        if (g < groups) {
-          uint4 w[kLoadGroup];
-#pragma unroll
-          for (int l = 0; l < kLoadGroup; ++l) w[l] = row_at(slice, g * kLoadGroup + l);
-#pragma unroll
-          for (int l = 0; l < kLoadGroup; ++l) {
-            float wf[8];
-            unpack8<T>(w[l], wf);
-#pragma unroll
-            for (int v = 0; v < 8; ++v) o[v] = fmaf(acc[g * kLoadGroup + l], wf[v], o[v]);
-          }
-        }
-      }
+        for (int v = 0; v < 8; ++v) o[v] = fmaf(acc[j], w[v], o[v]);
+      });
       float4* held = partials + ((s & 1) * kChunkThreads + job.local) * 2;
       if (count > 0 && job_parts == 0) {  // a later piece of its row: the owner adds it
         held[0] = make_float4(o[0], o[1], o[2], o[3]);
