@@ -34,6 +34,7 @@
 
 #include <cstdint>
 
+#include "backup_tile.cuh"
 #include "cluster_launch.cuh"
 #include "dense_block_test.cuh"
 #include "dtype16.cuh"
@@ -188,7 +189,6 @@ __global__ void __launch_bounds__(kWorkThreads) flatten_entries_kernel(
   const int64_t begin = work_entries(prefix[row]);
   if (work_entries(prefix[row + 1]) == begin) return;
   uint32_t* dst = entries + begin;
-  const uint16_t* dense_bits = reinterpret_cast<const uint16_t*>(dense) + row * F;
   int carry = 0;
   for (int t0 = 0; t0 < n_tiles; t0 += 32) {
     const int t = t0 + lane;
@@ -219,17 +219,10 @@ __global__ void __launch_bounds__(kWorkThreads) flatten_entries_kernel(
       const int src = __ffs(over) - 1;
       over &= over - 1u;
       const int tile = t0 + src, tile_at = __shfl_sync(0xffffffffu, at, src), tile_count = __shfl_sync(0xffffffffu, c, src);
-      const int col0 = tile * tile_n, width = min(tile_n, F - col0);
-      int seen = 0;
-      for (int cc = 0; cc < width; cc += 32) {
-        const int col = cc + lane;
-        const uint32_t bits = col < width ? dense_bits[col0 + col] : 0u;
-        const bool active = col < width && is_active(Dtype16<T>::value(bits));
-        const unsigned mask = __ballot_sync(0xffffffffu, active);
-        const int k = seen + __popc(mask & ((1u << lane) - 1u));
-        if (active && k < tile_count) dst[tile_at + k] = (bits << 16) | static_cast<uint32_t>(col0 + col);
-        seen += __popc(mask);
-      }
+      const int col0 = tile * tile_n;
+      for_each_backup_entry(dense + row * F + col0, min(tile_n, F - col0), lane, [&](int k, int col, uint32_t bits) {
+        if (k < tile_count) dst[tile_at + k] = (bits << 16) | static_cast<uint32_t>(col0 + col);
+      });
     }
   }
   __syncwarp();  // the row's entries are written (and visible to the warp)

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "backup_tile.cuh"
 #include "cluster_launch.cuh"
 #include "dense_block_test.cuh"
 #include "dtype16.cuh"
@@ -170,21 +171,14 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
         const int o0 = offsets[t], o1 = offsets[t + 1];
         if (o1 - o0 <= cap || o1 <= c0 || o0 >= c1) continue;
         const int tile_col0 = t * tile_n;
-        const int width = min(tile_n, F - tile_col0);
-        const T* dense_tile = dense + row * F + tile_col0;
-        int seen = 0;
-        for (int c = 0; c < width; c += 32) {
-          const int col = c + lane;
-          const float v = col < width ? Dtype16<T>::to_float(dense_tile[col]) : 0.f;
-          const bool active = col < width && is_active(v);
-          const unsigned mask = __ballot_sync(0xffffffffu, active);
-          const int e = o0 + seen + __popc(mask & ((1u << lane) - 1u));
-          if (active && e >= c0 && e < c1) {
-            list_unit[e - c0] = tile_col0 + col;
-            list_h[e - c0] = v;
-          }
-          seen += __popc(mask);
-        }
+        for_each_backup_entry(dense + row * F + tile_col0, min(tile_n, F - tile_col0), lane,
+                              [&](int k, int col, uint32_t bits) {
+                                const int e = o0 + k;
+                                if (e >= c0 && e < c1) {
+                                  list_unit[e - c0] = tile_col0 + col;
+                                  list_h[e - c0] = Dtype16<T>::value(bits);
+                                }
+                              });
       }
       __syncthreads();
       const int n = c1 - c0;
