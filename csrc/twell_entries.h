@@ -16,24 +16,40 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
                     const at::Tensor& dense, const at::Tensor& block_nnz, const c10::optional<at::Tensor>& w_up,
                     const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_t,
                     const c10::optional<at::Tensor>& b_down, at::Tensor& out, int64_t tile_n, int64_t splits,
-                    int64_t threads, int64_t thr_full, int64_t thr_last, int64_t thr_heavy, int64_t cluster,
-                    const c10::optional<at::Tensor>& row_list, const c10::optional<at::Tensor>& row_count);
+                    int64_t threads, int64_t thr_full, int64_t thr_last, int64_t thr_heavy, int64_t cluster);
 
 // The chunked sparse kernel (csrc/twell_sparse_chunked.cu): weights streamed through shared memory in
 // slices of kChunkSliceColumns columns of every unit, [K / 8, F, 8] (W_up) and [D / 8, F, 8]
-// (W_down^T). Rows with more than kChunkMaxRowEntries active units are left to sparse_mlp_out's row
-// list (heavy_rows, heavy_count: int32 [M] and a zeroed int32 count).
+// (W_down^T). It decides each 128-row block's path itself, from the gate's counts, into `decided`
+// (int32 [2 * ceil(M / 128)], read by the dense-path kernels as block_nnz with thresholds 0, 0,
+// INT32_MAX): rows with more than kChunkMaxRowEntries active units ("heavy") are not the chunks' work
+// but are listed (heavy_rows, int32 [capacity]; their number in counters[0], counters being two
+// zeroed int32) for heavy_rows_mlp_out, which runs them as a compact dense MLP. A block takes the
+// dense path when its other rows' active units plus thr_full / 128 per heavy row exceed its threshold
+// (a heavy row costs about a row at the threshold density: one dense row), or when it has more than
+// thr_heavy heavy rows, so the list holds at most ceil(M / 128) * thr_heavy rows
+// (chunked_heavy_capacity); and every block does when most blocks would.
 constexpr int kChunkSliceColumns = 8;
-constexpr int kChunkMaxRowEntries = 512;
+constexpr int kChunkMaxRowEntries = 256;
 size_t chunked_smem_bytes(int64_t F, int64_t element_size);
 // Whether a shape fits the kernel on the current device (its two slices of F units in shared memory).
 bool chunked_sparse_fits(int64_t K, int64_t F, int64_t D, int64_t element_size, bool gated);
+int64_t chunked_heavy_capacity(int64_t M, int64_t thr_heavy);
 void chunked_sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed, const at::Tensor& counts,
-                            const at::Tensor& dense, const at::Tensor& block_nnz,
-                            const c10::optional<at::Tensor>& w_up_sliced, const c10::optional<at::Tensor>& b_up,
-                            const at::Tensor& w_down_sliced, const c10::optional<at::Tensor>& b_down, at::Tensor& out,
-                            const at::Tensor& heavy_rows, const at::Tensor& heavy_count, int64_t tile_n,
+                            const at::Tensor& dense, const c10::optional<at::Tensor>& w_up_sliced,
+                            const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_sliced,
+                            const c10::optional<at::Tensor>& b_down, at::Tensor& out, at::Tensor& decided,
+                            const at::Tensor& heavy_rows, const at::Tensor& counters, int64_t tile_n,
                             int64_t thr_full, int64_t thr_last, int64_t thr_heavy, int64_t ctas);
+// The listed heavy rows (csrc/twell_heavy_rows.cu; heavy_count: their number, on the device): gathered
+// into a compact batch (x, and the TwELL activation expanded densely), run through the dense path's
+// wgmma GEMMs, and scattered into out.
+// Gated when w_up is given. The GEMMs' schedule arguments are dense_block_gemm's.
+void heavy_rows_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed, const at::Tensor& counts,
+                        const at::Tensor& dense, const at::Tensor& heavy_rows, const at::Tensor& heavy_count,
+                        const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up,
+                        const at::Tensor& w_down, const c10::optional<at::Tensor>& b_down, at::Tensor& out,
+                        int64_t ctas, int64_t cluster, int64_t tile_m, int64_t down_tile_m, int64_t k_splits);
 void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                      at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz, int64_t ctas,
                      int64_t cluster, int64_t tile_m, int64_t k_splits,
@@ -126,8 +142,10 @@ struct MlpPlan {
 };
 
 // The whole CUDA path of one twell MLP call (gate, sparse kernel, dense path), in one host call.
-// Gated when w_up is given. Returns (out, counts, block_nnz), or nothing, before any work, when an
+// Gated when w_up is given. Returns (out, counts, blocks), or nothing, before any work, when an
 // operand is not a contiguous tensor with 16-byte aligned rows (the Python path handles those).
+// blocks is the gate's block_nnz, or for a chunked plan the chunked kernel's decision (1 for a dense
+// block, 0 otherwise, then zeros: block_nnz's layout, tested with thresholds 0, 0, INT32_MAX).
 // plan.chunked runs the chunked sparse kernel on the sliced weights (w_up_sliced when gated,
 // w_down_sliced), which the caller gives exactly then.
 std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(

@@ -15,16 +15,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("dense"), pybind11::arg("block_nnz"), pybind11::arg("w_up"), pybind11::arg("b_up"),
         pybind11::arg("w_down_t"), pybind11::arg("b_down"), pybind11::arg("out"), pybind11::arg("tile_n"),
         pybind11::arg("splits"), pybind11::arg("threads"), pybind11::arg("thr_full"),
-        pybind11::arg("thr_last"), pybind11::arg("thr_heavy"), pybind11::arg("cluster") = 1,
-        pybind11::arg("row_list") = pybind11::none(), pybind11::arg("row_count") = pybind11::none());
+        pybind11::arg("thr_last"), pybind11::arg("thr_heavy"), pybind11::arg("cluster") = 1);
   m.def("chunked_sparse_mlp_out", &twell::chunked_sparse_mlp_out,
-        "Fills the sparse-block rows of out with at most 512 active units, the weights streamed through shared "
-        "memory in slices; lists the heavier rows for sparse_mlp_out (see csrc/twell_sparse_chunked.cu)",
+        "Decides each 128-row block's path and fills the sparse blocks' rows of out with at most 256 active units, "
+        "the weights streamed through shared memory in slices; lists the heavier rows for heavy_rows_mlp_out (see "
+        "csrc/twell_sparse_chunked.cu)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("counts"), pybind11::arg("dense"),
-        pybind11::arg("block_nnz"), pybind11::arg("w_up_sliced"), pybind11::arg("b_up"), pybind11::arg("w_down_sliced"),
-        pybind11::arg("b_down"), pybind11::arg("out"), pybind11::arg("heavy_rows"), pybind11::arg("heavy_count"),
+        pybind11::arg("w_up_sliced"), pybind11::arg("b_up"), pybind11::arg("w_down_sliced"), pybind11::arg("b_down"),
+        pybind11::arg("out"), pybind11::arg("decided"), pybind11::arg("heavy_rows"), pybind11::arg("counters"),
         pybind11::arg("tile_n"), pybind11::arg("thr_full"), pybind11::arg("thr_last"), pybind11::arg("thr_heavy"),
         pybind11::arg("ctas"));
+  m.def("chunked_heavy_capacity", &twell::chunked_heavy_capacity,
+        "Most heavy rows the chunked kernel lists for an M-row call", pybind11::arg("M"), pybind11::arg("thr_heavy"));
+  m.def("heavy_rows_mlp_out", &twell::heavy_rows_mlp_out,
+        "The listed heavy rows of out as a compact dense MLP (see csrc/twell_heavy_rows.cu)", pybind11::arg("x"),
+        pybind11::arg("packed"), pybind11::arg("counts"), pybind11::arg("dense"), pybind11::arg("heavy_rows"),
+        pybind11::arg("heavy_count"), pybind11::arg("w_up"), pybind11::arg("b_up"), pybind11::arg("w_down"),
+        pybind11::arg("b_down"), pybind11::arg("out"), pybind11::arg("ctas"), pybind11::arg("cluster") = 2,
+        pybind11::arg("tile_m") = 128, pybind11::arg("down_tile_m") = 256, pybind11::arg("k_splits") = 0);
   m.def("chunked_sparse_fits", &twell::chunked_sparse_fits,
         "Whether a shape fits the chunked sparse kernel on the current device", pybind11::arg("K"), pybind11::arg("F"),
         pybind11::arg("D"), pybind11::arg("element_size"), pybind11::arg("gated"));

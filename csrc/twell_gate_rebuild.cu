@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "backup_tile.cuh"
 #include "dense_block_test.cuh"
 #include "dtype16.cuh"
 #include "twell_entries.h"
@@ -23,8 +24,7 @@ namespace {
 constexpr int kTileN = 128;  // the TwELL tile of the CUDA gate GEMM
 constexpr int kThreads = 256;
 
-// One CTA per (128-row block, tile). A warp expands one row's tile at a time, each lane 4 columns; the
-// count, the slots and the backup are loaded independently (no dependent chain), then selected.
+// One CTA per (128-row block, tile). A warp expands one row's tile at a time, each lane 4 columns.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) rebuild_dense_gate_kernel(const uint32_t* __restrict__ packed,
                                                                       const int* __restrict__ counts,
@@ -39,32 +39,9 @@ __global__ void __launch_bounds__(kThreads) rebuild_dense_gate_kernel(const uint
 #pragma unroll 4
   for (int64_t row = static_cast<int64_t>(blk) * kDecisionRows + warp; row < row_end; row += kThreads / 32) {
     const int64_t row_tile = row * n_tiles + tile;
-    const int count = counts[row_tile];
-    // Slots are valid only for a tile that fit (an overflowing tile wrote its backup and no slots).
-    const int slots = count > cap ? 0 : count;
-    const uint32_t word = lane < slots ? packed[row_tile * cap + lane] : 0u;
     uint16_t* p = dense + row * F + col0;
     uint16_t v[4];
-    if (count > cap) {  // the backup holds the pre-activation
-      if (vec) {
-        const uint2 raw = *reinterpret_cast<const uint2*>(p);
-        v[0] = raw.x & 0xffffu; v[1] = raw.x >> 16; v[2] = raw.y & 0xffffu; v[3] = raw.y >> 16;
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) v[e] = col0 + e < F ? p[e] : 0;
-      }
-    } else {
-      v[0] = v[1] = v[2] = v[3] = 0;
-    }
-    for (int s = 0; s < slots; ++s) {  // a slot lands in the lane that owns its column
-      const uint32_t w = __shfl_sync(0xffffffffu, word, s);
-      const int local = static_cast<int>(w & 0xffffu) - lane * 4;
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (local == e) v[e] = static_cast<uint16_t>(w >> 16);
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] = is_active(Dtype16<T>::value(v[e])) ? v[e] : 0;
+    tile_quad_activation<T>(packed + row_tile * cap, counts[row_tile], cap, p, min(4, F - col0), vec, lane, v);
     if (vec) {
       *reinterpret_cast<uint2*>(p) = make_uint2(v[0] | (static_cast<uint32_t>(v[1]) << 16), v[2] | (static_cast<uint32_t>(v[3]) << 16));
     } else {

@@ -62,14 +62,14 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   at::Tensor counts = at::empty({M, n_tiles}, ints);
   at::Tensor dense = at::empty({M, F}, x.options());
   // One memset zeroes every counter of the call: the block totals (active units; row-tiles past
-  // capacity), then the wgmma GEMMs' K-split arrivals (gate, gate times up, down), then the count of
-  // rows the chunked kernel leaves to the row-by-row one.
+  // capacity), then the wgmma GEMMs' K-split arrivals (gate, gate times up, down), then the chunked
+  // kernel's counters (heavy rows it lists, blocks it first finds dense).
   const int64_t K = x.size(1);
   const int64_t gate_arrivals = plan.decode_gate ? 0 : split_counters(plan, M, F, K);
   const int64_t up_arrivals = plan.decode_dense || !gated ? 0 : split_counters(plan, M, F, K);
   const int64_t down_arrivals = plan.decode_dense ? 0 : split_counters(plan, M, D, F);
   const int64_t heavy_at = 2 * n_blocks + gate_arrivals + up_arrivals + down_arrivals;
-  at::Tensor zeroed = at::empty({heavy_at + (plan.chunked ? 1 : 0)}, ints);
+  at::Tensor zeroed = at::empty({heavy_at + (plan.chunked ? 2 : 0)}, ints);
   C10_CUDA_CHECK(cudaMemsetAsync(zeroed.data_ptr(), 0, zeroed.nbytes(), c10::cuda::getCurrentCUDAStream()));
   at::Tensor block_nnz = zeroed.narrow(0, 0, 2 * n_blocks);
   const int64_t up_at = 2 * n_blocks + gate_arrivals, down_at = up_at + up_arrivals;
@@ -87,43 +87,49 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
                     plan.gemm_k_splits, counters_at(zeroed, 2 * n_blocks, gate_arrivals));
   }
   const c10::optional<at::Tensor> x_if_gated = gated ? c10::optional<at::Tensor>(x) : c10::nullopt;
-  // Sparse blocks' rows: the chunked kernel and the row-by-row one for the rows it leaves, or the
-  // row-by-row one for all.
+  // Sparse blocks' rows: the chunked kernel, which decides the blocks' paths itself (into `decided`,
+  // read below in place of block_nnz) and lists its heavy rows for the compact dense path; or the
+  // row-by-row kernel.
+  at::Tensor path_nnz = block_nnz;
+  int64_t thr_full = plan.thr_full, thr_last = plan.thr_last, thr_heavy = plan.thr_heavy;
   if (plan.chunked) {
-    at::Tensor heavy_rows = at::empty({M}, ints);
-    at::Tensor heavy_count = zeroed.narrow(0, heavy_at, 1);
-    chunked_sparse_mlp_out(x_if_gated, packed, counts, dense, block_nnz, w_up_sliced, b_up, *w_down_sliced, b_down, out,
-                           heavy_rows, heavy_count, plan.tile_n, plan.thr_full, plan.thr_last, plan.thr_heavy, plan.ctas);
-    sparse_mlp_out(x_if_gated, packed, counts, dense, block_nnz, w_up, b_up, w_down_t, b_down, out, plan.tile_n,
-                   plan.sparse_splits, plan.sparse_threads, plan.thr_full, plan.thr_last, plan.thr_heavy, 1, heavy_rows,
-                   heavy_count);
+    at::Tensor decided = at::empty({2 * n_blocks}, ints);
+    at::Tensor heavy_rows = at::empty({chunked_heavy_capacity(M, plan.thr_heavy)}, ints);
+    at::Tensor chunk_counters = zeroed.narrow(0, heavy_at, 2);  // heavy rows listed, dense blocks
+    chunked_sparse_mlp_out(x_if_gated, packed, counts, dense, w_up_sliced, b_up, *w_down_sliced, b_down, out, decided,
+                           heavy_rows, chunk_counters, plan.tile_n, plan.thr_full, plan.thr_last, plan.thr_heavy, plan.ctas);
+    heavy_rows_mlp_out(x_if_gated, packed, counts, dense, heavy_rows, chunk_counters.narrow(0, 0, 1), w_up, b_up, w_down, b_down, out,
+                       plan.ctas, plan.gemm_cluster, plan.gemm_tile_m, plan.down_gemm_tile_m, plan.gemm_k_splits);
+    path_nnz = decided;
+    thr_full = thr_last = 0;  // decided: 1 for a dense block, 0 otherwise
+    thr_heavy = INT32_MAX;
   } else {
     sparse_mlp_out(x_if_gated, packed, counts, dense, block_nnz, w_up, b_up, w_down_t, b_down, out, plan.tile_n,
                    plan.sparse_splits, plan.sparse_threads, plan.thr_full, plan.thr_last, plan.thr_heavy,
-                   plan.sparse_cluster, c10::nullopt, c10::nullopt);
+                   plan.sparse_cluster);
   }
 
   // Dense path for the blocks too dense to pay (its kernels skip the others): h = relu(gate) * up in
   // place in `dense` (non-gated: relu(up) expanded there), then out = h W_down^T.
   if (gated && plan.decode_dense) {
-    decode_dense_gemv(x, *w_up, b_up, dense, block_nnz, packed, counts, plan.thr_full, plan.thr_last, plan.thr_heavy,
+    decode_dense_gemv(x, *w_up, b_up, dense, path_nnz, packed, counts, thr_full, thr_last, thr_heavy,
                       plan.gemv_cluster);
   } else if (gated) {
-    dense_block_gemm(x, *w_up, b_up, dense, block_nnz, packed, counts, plan.thr_full, plan.thr_last, plan.thr_heavy,
-                     plan.ctas, plan.gemm_cluster, plan.gemm_tile_m, plan.gemm_k_splits,
+    dense_block_gemm(x, *w_up, b_up, dense, path_nnz, packed, counts, thr_full, thr_last, thr_heavy, plan.ctas,
+                     plan.gemm_cluster, plan.gemm_tile_m, plan.gemm_k_splits,
                      counters_at(zeroed, up_at, up_arrivals));
   } else {
-    rebuild_dense_gate(packed, counts, dense, block_nnz, plan.thr_full, plan.thr_last, plan.thr_heavy);
+    rebuild_dense_gate(packed, counts, dense, path_nnz, thr_full, thr_last, thr_heavy);
   }
   if (plan.decode_dense) {
-    decode_dense_gemv(dense, w_down, b_down, out, block_nnz, c10::nullopt, c10::nullopt, plan.thr_full, plan.thr_last,
-                      plan.thr_heavy, plan.gemv_cluster);
+    decode_dense_gemv(dense, w_down, b_down, out, path_nnz, c10::nullopt, c10::nullopt, thr_full, thr_last, thr_heavy,
+                      plan.gemv_cluster);
   } else {
-    dense_block_gemm(dense, w_down, b_down, out, block_nnz, c10::nullopt, c10::nullopt, plan.thr_full, plan.thr_last,
-                     plan.thr_heavy, plan.ctas, plan.gemm_cluster, plan.down_gemm_tile_m, plan.gemm_k_splits,
+    dense_block_gemm(dense, w_down, b_down, out, path_nnz, c10::nullopt, c10::nullopt, thr_full, thr_last, thr_heavy,
+                     plan.ctas, plan.gemm_cluster, plan.down_gemm_tile_m, plan.gemm_k_splits,
                      counters_at(zeroed, down_at, down_arrivals));
   }
-  return std::make_tuple(out, counts, block_nnz);
+  return std::make_tuple(out, counts, path_nnz);
 }
 
 }  // namespace twell

@@ -16,14 +16,18 @@
 //   down: per slice, a thread sums h * W_down^T[unit, 8 columns] over its entries; a row's first piece
 //     then adds the other pieces' partials (the next threads, in order: deterministic) and writes the
 //     row's 8 output columns (+ b_down).
-// Rows that are not the chunks' work, decided per row with integer tests on the gate's counts:
-//   - rows of dense blocks: the dense path (csrc/dense_block_test.cuh);
-//   - rows with more than kMaxRowEntries entries (so a chunk of whole rows fits its threads): listed
-//     here and done by the row-by-row kernel;
+// Rows that are not the chunks' work, decided per 128-row block from the gate's counts (integer tests,
+// on the device):
+//   - rows of blocks too dense to pay: the dense path, which reads the decision this kernel writes;
+//   - rows with more than kChunkMaxRowEntries entries ("heavy": a tenth of the 2B model's units
+//     active or more, so one dense row costs less than their entries): listed here for the compact
+//     dense path (csrc/twell_heavy_rows.cu). Under skewed activations such rows are rare but spread
+//     over half of all blocks; sending their whole blocks to the dense path cost more than the sparse
+//     path saved;
 //   - sparse rows with no active unit: written here (b_down, or zeros).
-// The steps, one launch each: per-row work (pieces, entries), a prefix sum of it (at::cumsum), the
-// entries flattened into one array in row order, then the chunks (a persistent grid, chunks of near-equal
-// piece counts, whole waves).
+// The steps, one launch each: per-block decision and per-row work (pieces, entries), a prefix sum of it
+// (at::cumsum), the entries flattened into one array in row order, then the chunks (a persistent grid,
+// chunks of near-equal piece counts, whole waves).
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -99,32 +103,91 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
   }
 }
 
-// 1. Per row: its entries and pieces if the chunks take it (packed for the prefix sum), else 0; rows
-// past kChunkMaxRowEntries go to `heavy_rows`; sparse rows with no entry get their output here.
-template <typename T>
-__global__ void __launch_bounds__(kWorkThreads) chunk_row_work_kernel(
-    const int* __restrict__ counts, int n_tiles, int64_t M, DenseBlockTest dense_test, int64_t* __restrict__ work,
-    int* __restrict__ heavy_rows, int* __restrict__ heavy_count, const T* __restrict__ b_down, T* __restrict__ out,
-    int D) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kWorkThreads / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x & 31;
-  if (row >= M) return;
-  int64_t w = 0;
-  if (!dense_test(static_cast<int>(row / kDecisionRows))) {
+// 1. Per 128-row decision block (a CTA each), in two launches, since the second needs every block's
+// first decision.
+//   a. Each row's entries (kept in `work` for b) and the block's path: dense when it has more than
+//      max_heavy heavy rows (past kChunkMaxRowEntries) or when its other rows' entries plus heavy_cost
+//      per heavy row exceed its threshold. Dense blocks are counted in counters[1].
+//   b. Where most blocks chose dense, every block goes dense: with the chunks left a minority of the
+//      rows, they could not amortize streaming the weights, and the dense GEMMs barely shrink when
+//      only some 128-row blocks skip (H100, 2B shape, M = 131072, skewed activations with 117 active
+//      units per row on average: 17.5 ms mixed against 15.8 ms all dense). Then each row's work: in a
+//      sparse block its entries and pieces (packed for the prefix sum); a heavy row is listed
+//      (heavy_rows, counters[0]) for the compact dense path instead; a row with no entry gets its
+//      output here. Rows of dense blocks have none.
+__global__ void __launch_bounds__(kWorkThreads) decide_blocks_kernel(
+    const int* __restrict__ counts, int n_tiles, int64_t M, int thr_full, int thr_last, int max_heavy,
+    int64_t heavy_cost, int* __restrict__ decided, int64_t* __restrict__ row_entries, int* __restrict__ counters) {
+  __shared__ int totals[kDecisionRows];
+  const int blk = static_cast<int>(blockIdx.x), n_blocks = static_cast<int>(gridDim.x);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int64_t row0 = static_cast<int64_t>(blk) * kDecisionRows;
+  const int rows = static_cast<int>(M - row0 < kDecisionRows ? M - row0 : kDecisionRows);
+  for (int r = warp; r < rows; r += kWorkThreads / 32) {
     int total = 0;
-    for (int t = lane; t < n_tiles; t += 32) total += counts[row * n_tiles + t];
+    for (int t = lane; t < n_tiles; t += 32) total += counts[(row0 + r) * n_tiles + t];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-    if (total == 0) {
-      for (int col = lane; col < D; col += 32)
-        out[row * D + col] = b_down != nullptr ? b_down[col] : Dtype16<T>::from_float(0.f);
-    } else if (total <= kChunkMaxRowEntries) {
-      w = pack_work(total, row_pieces<T>(total));
-    } else if (lane == 0) {
-      heavy_rows[atomicAdd(heavy_count, 1)] = static_cast<int>(row);
+    if (lane == 0) {
+      totals[r] = total;
+      row_entries[row0 + r] = total;
     }
   }
-  if (lane == 0) work[row] = w;
+  __syncthreads();
+  if (warp != 0) return;
+  int light = 0, heavy = 0;  // at most 128 x 256 entries: no overflow
+  for (int r = lane; r < rows; r += 32) {
+    const int total = totals[r];
+    if (total > kChunkMaxRowEntries) ++heavy;
+    else light += total;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    light += __shfl_xor_sync(0xffffffffu, light, o);
+    heavy += __shfl_xor_sync(0xffffffffu, heavy, o);
+  }
+  if (lane == 0) {
+    const int thr = blk == n_blocks - 1 ? thr_last : thr_full;
+    const bool dense = heavy > max_heavy || light + heavy_cost * heavy > thr;
+    decided[blk] = dense ? 1 : 0;
+    decided[n_blocks + blk] = 0;
+    if (dense) atomicAdd(&counters[1], 1);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWorkThreads) row_work_kernel(
+    int64_t M, int* __restrict__ decided, int64_t* __restrict__ work, int* __restrict__ heavy_rows,
+    int* __restrict__ counters, const T* __restrict__ b_down, T* __restrict__ out, int D) {
+  __shared__ int block_dense;
+  const int blk = static_cast<int>(blockIdx.x), n_blocks = static_cast<int>(gridDim.x);
+  if (threadIdx.x == 0) {
+    const bool dense = decided[blk] != 0 || 2 * counters[1] > n_blocks;
+    decided[blk] = dense ? 1 : 0;  // only this CTA reads or writes it in this launch
+    block_dense = dense;
+  }
+  __syncthreads();
+  const bool dense = block_dense != 0;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int64_t row0 = static_cast<int64_t>(blk) * kDecisionRows;
+  const int rows = static_cast<int>(M - row0 < kDecisionRows ? M - row0 : kDecisionRows);
+  for (int r = warp; r < rows; r += kWorkThreads / 32) {
+    const int64_t row = row0 + r;
+    const int total = static_cast<int>(work[row]);  // decide_blocks_kernel left the row's entries here
+    __syncwarp();  // every lane has read it before lane 0 overwrites it
+    int64_t w = 0;
+    if (!dense) {
+      if (total == 0) {
+        for (int col = lane; col < D; col += 32)
+          out[row * D + col] = b_down != nullptr ? b_down[col] : Dtype16<T>::from_float(0.f);
+      } else if (total <= kChunkMaxRowEntries) {
+        w = pack_work(total, row_pieces<T>(total));
+      } else if (lane == 0) {
+        heavy_rows[atomicAdd(&counters[0], 1)] = static_cast<int>(row);
+      }
+    }
+    if (lane == 0) work[row] = w;
+  }
 }
 
 // The chunk kernel's threads read their entries' slice rows from shared memory, 16 bytes each, so the
@@ -470,10 +533,11 @@ bool aligned16(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data
 
 template <typename T>
 void run_chunked(const c10::optional<at::Tensor>& x, const at::Tensor& packed, const at::Tensor& counts,
-                 const at::Tensor& dense, const DenseBlockTest& dense_test, const c10::optional<at::Tensor>& w_up_sliced,
+                 const at::Tensor& dense, const c10::optional<at::Tensor>& w_up_sliced,
                  const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_sliced,
-                 const c10::optional<at::Tensor>& b_down, at::Tensor& out, const at::Tensor& heavy_rows,
-                 const at::Tensor& heavy_count, int64_t tile_n, int64_t ctas, int64_t max_entries) {
+                 const c10::optional<at::Tensor>& b_down, at::Tensor& out, at::Tensor& decided,
+                 const at::Tensor& heavy_rows, const at::Tensor& counters, int64_t tile_n, int thr_full,
+                 int thr_last, int max_heavy, int64_t ctas, int64_t max_entries) {
   const bool gated = w_up_sliced.has_value();
   const int64_t M = out.size(0);
   const int D = static_cast<int>(out.size(1));
@@ -487,13 +551,19 @@ void run_chunked(const c10::optional<at::Tensor>& x, const at::Tensor& packed, c
   at::Tensor prefix = at::empty({M + 1}, longs);
   at::Tensor entries = at::empty({max_entries}, out.options().dtype(at::kInt));
   C10_CUDA_CHECK(cudaMemsetAsync(prefix.data_ptr(), 0, sizeof(int64_t), stream));
-  const unsigned row_blocks = static_cast<unsigned>((M + kWorkThreads / 32 - 1) / (kWorkThreads / 32));
-  chunk_row_work_kernel<T><<<row_blocks, kWorkThreads, 0, stream>>>(
-      counts.data_ptr<int>(), n_tiles, M, dense_test, work.data_ptr<int64_t>(), heavy_rows.data_ptr<int>(),
-      heavy_count.data_ptr<int>(), data_or_null<T>(b_down), reinterpret_cast<T*>(out.data_ptr()), D);
+  const unsigned n_blocks = static_cast<unsigned>((M + kDecisionRows - 1) / kDecisionRows);
+  const int64_t heavy_cost = std::max<int64_t>(1, thr_full / kDecisionRows);  // a row at the threshold density
+  decide_blocks_kernel<<<n_blocks, kWorkThreads, 0, stream>>>(counts.data_ptr<int>(), n_tiles, M, thr_full, thr_last,
+                                                              max_heavy, heavy_cost, decided.data_ptr<int>(),
+                                                              work.data_ptr<int64_t>(), counters.data_ptr<int>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  row_work_kernel<T><<<n_blocks, kWorkThreads, 0, stream>>>(M, decided.data_ptr<int>(), work.data_ptr<int64_t>(),
+                                                            heavy_rows.data_ptr<int>(), counters.data_ptr<int>(),
+                                                            data_or_null<T>(b_down), reinterpret_cast<T*>(out.data_ptr()), D);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   at::Tensor prefix_tail = prefix.narrow(0, 1, M);
   at::cumsum_out(prefix_tail, work, 0);
+  const unsigned row_blocks = static_cast<unsigned>((M + kWorkThreads / 32 - 1) / (kWorkThreads / 32));
   flatten_entries_kernel<T><<<row_blocks, kWorkThreads, 0, stream>>>(
       reinterpret_cast<const uint32_t*>(packed.data_ptr<int>()), counts.data_ptr<int>(),
       reinterpret_cast<const T*>(dense.data_ptr()), prefix.data_ptr<int64_t>(), M, n_tiles, cap,
@@ -528,11 +598,17 @@ bool chunked_sparse_fits(int64_t K, int64_t F, int64_t D, int64_t element_size, 
          chunked_smem_bytes(F, element_size) <= static_cast<size_t>(max_smem);
 }
 
+int64_t chunked_heavy_capacity(int64_t M, int64_t thr_heavy) {
+  TORCH_CHECK(M >= 0 && thr_heavy >= 0, "twell: bad heavy-row capacity arguments");
+  const int64_t n_blocks = (M + kDecisionRows - 1) / kDecisionRows;
+  return thr_heavy >= kDecisionRows ? M : std::min(M, n_blocks * thr_heavy);
+}
+
 void chunked_sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed, const at::Tensor& counts,
-                            const at::Tensor& dense, const at::Tensor& block_nnz,
-                            const c10::optional<at::Tensor>& w_up_sliced, const c10::optional<at::Tensor>& b_up,
-                            const at::Tensor& w_down_sliced, const c10::optional<at::Tensor>& b_down, at::Tensor& out,
-                            const at::Tensor& heavy_rows, const at::Tensor& heavy_count, int64_t tile_n,
+                            const at::Tensor& dense, const c10::optional<at::Tensor>& w_up_sliced,
+                            const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_sliced,
+                            const c10::optional<at::Tensor>& b_down, at::Tensor& out, at::Tensor& decided,
+                            const at::Tensor& heavy_rows, const at::Tensor& counters, int64_t tile_n,
                             int64_t thr_full, int64_t thr_last, int64_t thr_heavy, int64_t ctas) {
   const bool gated = w_up_sliced.has_value();
   TORCH_CHECK(ctas >= 1, "twell: ctas must be positive");
@@ -550,8 +626,14 @@ void chunked_sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor
   TORCH_CHECK(dense.is_contiguous() && dense.size(0) == M && dense.size(1) == F, "twell: dense must be [M, F]");
   TORCH_CHECK(tile_n >= 1 && tile_n <= 256 && packed.size(1) == (F + tile_n - 1) / tile_n, "twell: bad tile_n");
   TORCH_CHECK(M <= 0x7fffffff, "twell: too many rows");
-  TORCH_CHECK(heavy_rows.scalar_type() == at::kInt && heavy_rows.numel() >= M && heavy_count.scalar_type() == at::kInt &&
-                  heavy_count.numel() >= 1, "twell: heavy_rows must be int32 [M] and heavy_count int32 [1]");
+  TORCH_CHECK(thr_full >= 0 && thr_last >= 0 && thr_heavy >= 0 && thr_full <= INT32_MAX && thr_last <= INT32_MAX &&
+                  thr_heavy <= INT32_MAX, "twell: bad thresholds");
+  // Writes the decision in block_nnz's layout, so check it as one.
+  check_block_nnz(decided, M, out.device());
+  TORCH_CHECK(heavy_rows.scalar_type() == at::kInt && heavy_rows.device() == out.device() &&
+                  heavy_rows.numel() >= chunked_heavy_capacity(M, thr_heavy) && counters.scalar_type() == at::kInt &&
+                  counters.device() == out.device() && counters.is_contiguous() && counters.numel() == 2,
+              "twell: heavy_rows must be int32 [chunked_heavy_capacity(M, thr_heavy)] and counters int32 [2]");
   if (gated) {
     TORCH_CHECK(x->is_contiguous() && x->size(0) == M && aligned16(*x) && x->scalar_type() == out.scalar_type(),
                 "twell: x must be contiguous, 16-byte aligned, in out's dtype");
@@ -564,7 +646,6 @@ void chunked_sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor
               "twell: the chunked kernel's operands must be 16-byte aligned");
   TORCH_CHECK(chunked_sparse_fits(gated ? x->size(1) : 0, F, D, out.element_size(), gated),
               "twell: this shape does not fit the chunked sparse kernel (F = ", F, ")");
-  const DenseBlockTest dense_test = dense_block_test(block_nnz, M, out.device(), thr_full, thr_last, thr_heavy);
   if (M == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
   // Entries the chunks can hold: rows of at most kChunkMaxRowEntries, in sparse blocks (each at most
@@ -573,12 +654,15 @@ void chunked_sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor
   const int64_t max_entries =
       std::max<int64_t>(1, std::min<int64_t>(M * kChunkMaxRowEntries, (n_blocks - 1) * thr_full + thr_last));
   TORCH_CHECK(max_entries < (int64_t{1} << 31), "twell: too many entries for the chunked kernel");
+  const int max_heavy = static_cast<int>(std::min<int64_t>(thr_heavy, kDecisionRows));
   if (out.scalar_type() == at::kBFloat16) {
-    run_chunked<__nv_bfloat16>(x, packed, counts, dense, dense_test, w_up_sliced, b_up, w_down_sliced, b_down, out,
-                               heavy_rows, heavy_count, tile_n, ctas, max_entries);
+    run_chunked<__nv_bfloat16>(x, packed, counts, dense, w_up_sliced, b_up, w_down_sliced, b_down, out, decided,
+                               heavy_rows, counters, tile_n, static_cast<int>(thr_full), static_cast<int>(thr_last),
+                               max_heavy, ctas, max_entries);
   } else if (out.scalar_type() == at::kHalf) {
-    run_chunked<__half>(x, packed, counts, dense, dense_test, w_up_sliced, b_up, w_down_sliced, b_down, out, heavy_rows,
-                        heavy_count, tile_n, ctas, max_entries);
+    run_chunked<__half>(x, packed, counts, dense, w_up_sliced, b_up, w_down_sliced, b_down, out, decided, heavy_rows,
+                        counters, tile_n, static_cast<int>(thr_full), static_cast<int>(thr_last), max_heavy, ctas,
+                        max_entries);
   } else {
     TORCH_CHECK(false, "twell: the CUDA kernels take bfloat16 or float16, got ", out.scalar_type());
   }

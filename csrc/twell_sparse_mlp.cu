@@ -10,12 +10,10 @@
 //   3. gated only: each warp computes up = x . W_up[unit] (+ b_up) and h = g * up for two entries at a
 //      time;
 //   4. accumulates out[d] += h * W_down^T[unit, d] in fp32 over the list, then writes out (+ b_down).
-// Large batches run the chunked kernel (csrc/twell_sparse_chunked.cu) instead, and this one only for the
-// rows it leaves (the heaviest), listed on the device: then a few CTAs per SM take those rows in turn.
+// Large batches run the chunked kernel (csrc/twell_sparse_chunked.cu) instead.
 // Rows of a 128-row block that the dense fallback owns (its active count above the threshold, the same
 // integer test the dense-path kernels make, csrc/dense_block_test.cuh) are skipped here.
 
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -108,188 +106,170 @@ __global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
     const T* __restrict__ b_down,       // [D] or null
     T* __restrict__ out,                // [M, D]
     int K, int D, int F, int n_tiles, int cap, int tile_n, int cols_per_split, DenseBlockTest dense_test,
-    int cluster, const int* __restrict__ row_list, const int* __restrict__ row_count) {
-  // One row per CTA (per cluster with the entry split), or, given a row list (the rows the chunked
-  // kernel leaves, csrc/twell_sparse_chunked.cu), the listed rows in turn, a CTA (no cluster) each.
-  const int list_rows = row_list != nullptr ? *row_count : 0;
-  for (int item = row_list != nullptr ? static_cast<int>(blockIdx.x) : -1; row_list == nullptr || item < list_rows;
-       item += gridDim.x) {
-    const int64_t row = row_list != nullptr ? row_list[item] : (kEntrySplit ? blockIdx.x / cluster : blockIdx.x);
-    const int rank = kEntrySplit ? static_cast<int>(ptx::cluster_ctarank()) : 0;
-    // Rows of dense blocks belong to the dense path (the same test as its kernels). The CTAs of a
-    // cluster share the row, so they leave together.
-    if (dense_test(static_cast<int>(row / kDecisionRows))) {
-      if (row_list == nullptr) return;
-      continue;
-    }
-    constexpr int kWarps = kThreads / 32;
+    int cluster) {
+  const int64_t row = kEntrySplit ? blockIdx.x / cluster : blockIdx.x;  // one row per CTA (per cluster)
+  const int rank = kEntrySplit ? static_cast<int>(ptx::cluster_ctarank()) : 0;
+  // Rows of dense blocks belong to the dense path (the same test as its kernels). The CTAs of a
+  // cluster share the row, so they leave together.
+  if (dense_test(static_cast<int>(row / kDecisionRows))) return;
+  constexpr int kWarps = kThreads / 32;
 
-    extern __shared__ int smem[];
-    int* offsets = smem;                                   // n_tiles + 1
-    int* warp_totals = offsets + n_tiles + 1;              // kWarps
-    int* list_unit = warp_totals + kWarps;                 // kListCap
-    float* list_h = reinterpret_cast<float*>(list_unit + kListCap);  // kListCap
-    float* partial_out = list_h + kListCap;                          // D (kEntrySplit)
+  extern __shared__ int smem[];
+  int* offsets = smem;                                   // n_tiles + 1
+  int* warp_totals = offsets + n_tiles + 1;              // kWarps
+  int* list_unit = warp_totals + kWarps;                 // kListCap
+  float* list_h = reinterpret_cast<float*>(list_unit + kListCap);  // kListCap
+  float* partial_out = list_h + kListCap;                          // D (kEntrySplit)
 
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int total = scan_tile_counts<kThreads>(counts + row * n_tiles, n_tiles, offsets, warp_totals);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int total = scan_tile_counts<kThreads>(counts + row * n_tiles, n_tiles, offsets, warp_totals);
 
-    const int col0 = blockIdx.y * cols_per_split;
-    const int col1 = min(D, col0 + cols_per_split);
-    float acc[NV][VEC];
-  #pragma unroll
-    for (int j = 0; j < NV; ++j)
-  #pragma unroll
-      for (int v = 0; v < VEC; ++v) acc[j][v] = 0.f;
+  const int col0 = blockIdx.y * cols_per_split;
+  const int col1 = min(D, col0 + cols_per_split);
+  float acc[NV][VEC];
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[j][v] = 0.f;
 
-    const T* x_row = GATED ? x + row * K : nullptr;
+  const T* x_row = GATED ? x + row * K : nullptr;
 
-    for (int c0 = 0; c0 < total; c0 += kListCap) {
-      const int c1 = min(total, c0 + kListCap);
-      // 2. gather this chunk's entries. Packed tiles: a thread per tile, its slots loaded together, so the
-      // whole row's slots take one round trip to memory (a warp per tile took one per tile and warp).
-      for (int t = threadIdx.x; t < n_tiles; t += kThreads) {
-        const int o0 = offsets[t], o1 = offsets[t + 1];
-        if (o1 - o0 > cap || o1 <= c0 || o0 >= c1) continue;
-        const int64_t slot0 = (row * n_tiles + t) * cap;
-        const int j_end = min(o1, c1) - o0;
-        for (int j0 = max(c0 - o0, 0); j0 < j_end; j0 += 8) {
-          uint32_t words[8];
-  #pragma unroll
-          for (int j = 0; j < 8; ++j)
-            if (j0 + j < j_end) words[j] = packed[slot0 + j0 + j];
-  #pragma unroll
-          for (int j = 0; j < 8; ++j)
-            if (j0 + j < j_end) {
-              list_unit[o0 + j0 + j - c0] = t * tile_n + static_cast<int>(words[j] & 0xffffu);
-              list_h[o0 + j0 + j - c0] = Dtype16<T>::value(words[j] >> 16);
-            }
-        }
+  for (int c0 = 0; c0 < total; c0 += kListCap) {
+    const int c1 = min(total, c0 + kListCap);
+    // 2. gather this chunk's entries. Packed tiles: a thread per tile, its slots loaded together, so the
+    // whole row's slots take one round trip to memory (a warp per tile took one per tile and warp).
+    for (int t = threadIdx.x; t < n_tiles; t += kThreads) {
+      const int o0 = offsets[t], o1 = offsets[t + 1];
+      if (o1 - o0 > cap || o1 <= c0 || o0 >= c1) continue;
+      const int64_t slot0 = (row * n_tiles + t) * cap;
+      const int j_end = min(o1, c1) - o0;
+      for (int j0 = max(c0 - o0, 0); j0 < j_end; j0 += 8) {
+        uint32_t words[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (j0 + j < j_end) words[j] = packed[slot0 + j0 + j];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (j0 + j < j_end) {
+            list_unit[o0 + j0 + j - c0] = t * tile_n + static_cast<int>(words[j] & 0xffffu);
+            list_h[o0 + j0 + j - c0] = Dtype16<T>::value(words[j] >> 16);
+          }
       }
-      // Tiles past capacity (rare): a warp each enumerates the active units of the dense backup.
-      for (int t = warp; t < n_tiles; t += kWarps) {
-        const int o0 = offsets[t], o1 = offsets[t + 1];
-        if (o1 - o0 <= cap || o1 <= c0 || o0 >= c1) continue;
-        const int tile_col0 = t * tile_n;
-        for_each_backup_entry(dense + row * F + tile_col0, min(tile_n, F - tile_col0), lane,
-                              [&](int k, int col, uint32_t bits) {
-                                const int e = o0 + k;
-                                if (e >= c0 && e < c1) {
-                                  list_unit[e - c0] = tile_col0 + col;
-                                  list_h[e - c0] = Dtype16<T>::value(bits);
-                                }
-                              });
+    }
+    // Tiles past capacity (rare): a warp each enumerates the active units of the dense backup.
+    for (int t = warp; t < n_tiles; t += kWarps) {
+      const int o0 = offsets[t], o1 = offsets[t + 1];
+      if (o1 - o0 <= cap || o1 <= c0 || o0 >= c1) continue;
+      const int tile_col0 = t * tile_n;
+      for_each_backup_entry(dense + row * F + tile_col0, min(tile_n, F - tile_col0), lane,
+                            [&](int k, int col, uint32_t bits) {
+                              const int e = o0 + k;
+                              if (e >= c0 && e < c1) {
+                                list_unit[e - c0] = tile_col0 + col;
+                                list_h[e - c0] = Dtype16<T>::value(bits);
+                              }
+                            });
+    }
+    __syncthreads();
+    const int n = c1 - c0;
+    const int lo = kEntrySplit ? n * rank / cluster : 0;  // this CTA's entries of the chunk
+    const int hi = kEntrySplit ? n * (rank + 1) / cluster : n;
+
+    // 3. gated: h = g * (x . W_up[unit] + b_up[unit]); a warp per two entries, whose loads interleave
+    // (twice the loads in flight per lane; the second is a repeat of the first when there is none).
+    if constexpr (GATED) {
+      for (int e = lo + warp; e < hi; e += 2 * kWarps) {
+        const int e2 = e + kWarps < hi ? e + kWarps : e;
+        const T* w_row = w_up + static_cast<int64_t>(list_unit[e]) * K;
+        const T* w_row2 = w_up + static_cast<int64_t>(list_unit[e2]) * K;
+        float s = 0.f, s2 = 0.f;
+#pragma unroll 4
+        for (int k = lane * VEC; k < K; k += 32 * VEC) {
+          float xv[VEC], wv[VEC], wv2[VEC];
+          load_floats<T, VEC>(x_row + k, xv);
+          load_floats<T, VEC>(w_row + k, wv);
+          load_floats<T, VEC>(w_row2 + k, wv2);
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) {
+            s = fmaf(xv[v], wv[v], s);
+            s2 = fmaf(xv[v], wv2[v], s2);
+          }
+        }
+        s = warp_sum(s);
+        s2 = warp_sum(s2);
+        if (lane == 0) {
+          // Eager rounds up(x) to the input dtype before the product; do the same.
+          const int unit = list_unit[e], unit2 = list_unit[e2];
+          const float up = s + (b_up != nullptr ? Dtype16<T>::to_float(b_up[unit]) : 0.f);
+          const float up2 = s2 + (b_up != nullptr ? Dtype16<T>::to_float(b_up[unit2]) : 0.f);
+          const float g = list_h[e], g2 = list_h[e2];
+          list_h[e] = g * Dtype16<T>::to_float(Dtype16<T>::from_float(up));
+          if (e2 != e) list_h[e2] = g2 * Dtype16<T>::to_float(Dtype16<T>::from_float(up2));
+        }
       }
       __syncthreads();
-      const int n = c1 - c0;
-      const int lo = kEntrySplit ? n * rank / cluster : 0;  // this CTA's entries of the chunk
-      const int hi = kEntrySplit ? n * (rank + 1) / cluster : n;
-
-      // 3. gated: h = g * (x . W_up[unit] + b_up[unit]); a warp per two entries, whose loads interleave
-      // (twice the loads in flight per lane; the second is a repeat of the first when there is none).
-      if constexpr (GATED) {
-        for (int e = lo + warp; e < hi; e += 2 * kWarps) {
-          const int e2 = e + kWarps < hi ? e + kWarps : e;
-          const T* w_row = w_up + static_cast<int64_t>(list_unit[e]) * K;
-          const T* w_row2 = w_up + static_cast<int64_t>(list_unit[e2]) * K;
-          float s = 0.f, s2 = 0.f;
-  #pragma unroll 4
-          for (int k = lane * VEC; k < K; k += 32 * VEC) {
-            float xv[VEC], wv[VEC], wv2[VEC];
-            load_floats<T, VEC>(x_row + k, xv);
-            load_floats<T, VEC>(w_row + k, wv);
-            load_floats<T, VEC>(w_row2 + k, wv2);
-  #pragma unroll
-            for (int v = 0; v < VEC; ++v) {
-              s = fmaf(xv[v], wv[v], s);
-              s2 = fmaf(xv[v], wv2[v], s2);
-            }
-          }
-          s = warp_sum(s);
-          s2 = warp_sum(s2);
-          if (lane == 0) {
-            // Eager rounds up(x) to the input dtype before the product; do the same.
-            const int unit = list_unit[e], unit2 = list_unit[e2];
-            const float up = s + (b_up != nullptr ? Dtype16<T>::to_float(b_up[unit]) : 0.f);
-            const float up2 = s2 + (b_up != nullptr ? Dtype16<T>::to_float(b_up[unit2]) : 0.f);
-            const float g = list_h[e], g2 = list_h[e2];
-            list_h[e] = g * Dtype16<T>::to_float(Dtype16<T>::from_float(up));
-            if (e2 != e) list_h[e2] = g2 * Dtype16<T>::to_float(Dtype16<T>::from_float(up2));
-          }
-        }
-        __syncthreads();
-      }
-
-      // 4. out[col] += h * W_down^T[unit, col] over the chunk.
-      // One column group per thread (small batches, many column splits): twice the loads in flight, since
-      // there latency rather than L2 throughput bounds the loop.
-      constexpr int kDownUnroll = NV == 1 ? 8 : 4;
-  #pragma unroll kDownUnroll
-      for (int e = lo; e < hi; ++e) {
-        const float h = list_h[e];
-        const T* d_row = w_down_t + static_cast<int64_t>(list_unit[e]) * D;
-  #pragma unroll
-        for (int j = 0; j < NV; ++j) {
-          const int col = col0 + (j * kThreads + threadIdx.x) * VEC;
-          if (col < col1) {
-            float wv[VEC];
-            load_floats<T, VEC>(d_row + col, wv);
-  #pragma unroll
-            for (int v = 0; v < VEC; ++v) acc[j][v] = fmaf(h, wv[v], acc[j][v]);
-          }
-        }
-      }
-      __syncthreads();  // the next chunk overwrites the list
     }
 
-    if constexpr (kEntrySplit) {
-  #pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        const int col = (j * kThreads + threadIdx.x) * VEC;
-        if (col < D) {
-  #pragma unroll
-          for (int v = 0; v < VEC; ++v) partial_out[col + v] = acc[j][v];
-        }
-      }
-      ptx::cluster_sync();  // every CTA's partial is written and visible to the cluster
-      const int per_cta = (D + cluster - 1) / cluster;
-      const int end = min(D, (rank + 1) * per_cta);
-      for (int col = rank * per_cta + threadIdx.x; col < end; col += kThreads) {
-        float parts[kMaxEntryCluster];  // all loads first, then the sum in rank order (the same on every run)
-  #pragma unroll
-        for (int cta = 0; cta < kMaxEntryCluster; ++cta)
-          if (cta < cluster) parts[cta] = ptx::ld_shared_cluster_f32(&partial_out[col], static_cast<uint32_t>(cta));
-        float sum = 0.f;
-  #pragma unroll
-        for (int cta = 0; cta < kMaxEntryCluster; ++cta)
-          if (cta < cluster) sum += parts[cta];
-        out[row * D + col] = Dtype16<T>::from_float(sum + (b_down != nullptr ? Dtype16<T>::to_float(b_down[col]) : 0.f));
-      }
-      ptx::cluster_sync();  // no CTA leaves while another may still read its partial
-    } else {
-  #pragma unroll
+    // 4. out[col] += h * W_down^T[unit, col] over the chunk.
+    // One column group per thread (small batches, many column splits): twice the loads in flight, since
+    // there latency rather than L2 throughput bounds the loop.
+    constexpr int kDownUnroll = NV == 1 ? 8 : 4;
+#pragma unroll kDownUnroll
+    for (int e = lo; e < hi; ++e) {
+      const float h = list_h[e];
+      const T* d_row = w_down_t + static_cast<int64_t>(list_unit[e]) * D;
+#pragma unroll
       for (int j = 0; j < NV; ++j) {
         const int col = col0 + (j * kThreads + threadIdx.x) * VEC;
         if (col < col1) {
-          Pack<T, VEC> pk;
-  #pragma unroll
-          for (int v = 0; v < VEC; ++v)
-            pk.v[v] = Dtype16<T>::from_float(acc[j][v] + (b_down != nullptr ? Dtype16<T>::to_float(b_down[col + v]) : 0.f));
-          *reinterpret_cast<Pack<T, VEC>*>(out + row * D + col) = pk;
+          float wv[VEC];
+          load_floats<T, VEC>(d_row + col, wv);
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) acc[j][v] = fmaf(h, wv[v], acc[j][v]);
         }
       }
     }
-    if (row_list == nullptr) break;
-    __syncthreads();  // the next listed row reuses the shared memory
+    __syncthreads();  // the next chunk overwrites the list
+  }
+
+  if constexpr (kEntrySplit) {
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int col = (j * kThreads + threadIdx.x) * VEC;
+      if (col < D) {
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) partial_out[col + v] = acc[j][v];
+      }
+    }
+    ptx::cluster_sync();  // every CTA's partial is written and visible to the cluster
+    const int per_cta = (D + cluster - 1) / cluster;
+    const int end = min(D, (rank + 1) * per_cta);
+    for (int col = rank * per_cta + threadIdx.x; col < end; col += kThreads) {
+      float parts[kMaxEntryCluster];  // all loads first, then the sum in rank order (the same on every run)
+#pragma unroll
+      for (int cta = 0; cta < kMaxEntryCluster; ++cta)
+        if (cta < cluster) parts[cta] = ptx::ld_shared_cluster_f32(&partial_out[col], static_cast<uint32_t>(cta));
+      float sum = 0.f;
+#pragma unroll
+      for (int cta = 0; cta < kMaxEntryCluster; ++cta)
+        if (cta < cluster) sum += parts[cta];
+      out[row * D + col] = Dtype16<T>::from_float(sum + (b_down != nullptr ? Dtype16<T>::to_float(b_down[col]) : 0.f));
+    }
+    ptx::cluster_sync();  // no CTA leaves while another may still read its partial
+  } else {
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const int col = col0 + (j * kThreads + threadIdx.x) * VEC;
+      if (col < col1) {
+        Pack<T, VEC> pk;
+#pragma unroll
+        for (int v = 0; v < VEC; ++v)
+          pk.v[v] = Dtype16<T>::from_float(acc[j][v] + (b_down != nullptr ? Dtype16<T>::to_float(b_down[col + v]) : 0.f));
+        *reinterpret_cast<Pack<T, VEC>*>(out + row * D + col) = pk;
+      }
+    }
   }
 }
-
-// Rows listed on the device (the kernel's list mode), run by `ctas` CTAs in turn; rows == null: all.
-struct RowList {
-  const int* rows = nullptr;
-  const int* count = nullptr;
-  int ctas = 0;
-};
 
 template <typename T>
 const T* ptr_or_null(const c10::optional<at::Tensor>& t) {
@@ -302,8 +282,7 @@ template <typename T, int VEC, int NV, bool GATED, int kThreads, bool kEntrySpli
 void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& counts,
             const at::Tensor& dense, const DenseBlockTest& dense_test, const c10::optional<at::Tensor>& w_up,
             const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_t,
-            const c10::optional<at::Tensor>& b_down, at::Tensor& out, int tile_n, int splits, int cluster,
-            const RowList& row_list) {
+            const c10::optional<at::Tensor>& b_down, at::Tensor& out, int tile_n, int splits, int cluster) {
   const int64_t M = out.size(0);
   const int D = static_cast<int>(out.size(1));
   const int F = static_cast<int>(w_down_t.size(0));
@@ -315,16 +294,15 @@ void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& cou
   const size_t smem = sizeof(int) * (n_tiles + 1 + kThreads / 32 + kListCap) + sizeof(float) * kListCap +
                       (kEntrySplit ? sizeof(float) * D : 0);
   auto kernel = sparse_mlp_kernel<T, VEC, NV, GATED, kThreads, kEntrySplit>;
-  const unsigned rows = static_cast<unsigned>(row_list.rows != nullptr ? std::min<int64_t>(M, row_list.ctas) : M);
-  const dim3 grid = kEntrySplit ? dim3(static_cast<unsigned>(M * cluster)) : dim3(rows, static_cast<unsigned>(splits));
+  const dim3 grid = kEntrySplit ? dim3(static_cast<unsigned>(M * cluster))
+                                : dim3(static_cast<unsigned>(M), static_cast<unsigned>(splits));
   const KernelLaunch kernel_launch(kernel, grid, kThreads, smem, kEntrySplit ? cluster : 1);
   kernel_launch.run(
       kernel, GATED ? reinterpret_cast<const T*>(x.data_ptr()) : nullptr,
       reinterpret_cast<const uint32_t*>(packed.data_ptr<int>()), static_cast<const int*>(counts.data_ptr<int>()),
       reinterpret_cast<const T*>(dense.data_ptr()), GATED ? ptr_or_null<T>(w_up) : nullptr, ptr_or_null<T>(b_up),
       reinterpret_cast<const T*>(w_down_t.data_ptr()), ptr_or_null<T>(b_down), reinterpret_cast<T*>(out.data_ptr()),
-      K, D, F, n_tiles, cap, tile_n, kEntrySplit ? D : cols_per_split, dense_test, kEntrySplit ? cluster : 1,
-      row_list.rows, row_list.count);
+      K, D, F, n_tiles, cap, tile_n, kEntrySplit ? D : cols_per_split, dense_test, kEntrySplit ? cluster : 1);
 }
 
 // Picks the vector width (16-byte accesses when every row is 16-byte aligned) and the number of
@@ -335,8 +313,7 @@ template <typename T, bool GATED, int kThreads>
 void dispatch_shape(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& counts,
                     const at::Tensor& dense, const DenseBlockTest& dense_test, const c10::optional<at::Tensor>& w_up,
                     const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_t,
-                    const c10::optional<at::Tensor>& b_down, at::Tensor& out, int tile_n, int splits, int cluster,
-                    const RowList& row_list) {
+                    const c10::optional<at::Tensor>& b_down, at::Tensor& out, int tile_n, int splits, int cluster) {
   const int64_t D = out.size(1);
   bool vec8 = D % 8 == 0 && aligned16(w_down_t.data_ptr()) && aligned16(out.data_ptr());
   if (GATED) vec8 = vec8 && x.size(1) % 8 == 0 && aligned16(x.data_ptr()) && aligned16(w_up->data_ptr());
@@ -356,12 +333,12 @@ void dispatch_shape(const at::Tensor& x, const at::Tensor& packed, const at::Ten
     if constexpr (kThreads == 256) {                                                                                \
       if (entry_split) {                                                                                            \
         launch<T, V, NVV, GATED, kThreads, true>(x, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, \
-                                                 out, tile_n, 1, cluster, row_list);                                 \
+                                                 out, tile_n, 1, cluster);                                           \
         break;                                                                                                      \
       }                                                                                                             \
     }                                                                                                               \
     launch<T, V, NVV, GATED, kThreads, false>(x, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down,   \
-                                              out, tile_n, splits, 1, row_list);                                     \
+                                              out, tile_n, splits, 1);                                               \
   } while (0)
   if (vec8) {
     if (groups <= 1) TWELL_LAUNCH(8, 1);
@@ -382,12 +359,9 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
                     const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up,
                     const at::Tensor& w_down_t, const c10::optional<at::Tensor>& b_down, at::Tensor& out,
                     int64_t tile_n, int64_t splits, int64_t threads, int64_t thr_full, int64_t thr_last,
-                    int64_t thr_heavy, int64_t cluster, const c10::optional<at::Tensor>& row_list,
-                    const c10::optional<at::Tensor>& row_count) {
+                    int64_t thr_heavy, int64_t cluster) {
   const bool gated = w_up.has_value();
   TORCH_CHECK(cluster >= 1 && cluster <= kMaxEntryCluster, "twell: cluster must be in [1, 8]");
-  TORCH_CHECK(row_list.has_value() == row_count.has_value() && (!row_list.has_value() || cluster == 1),
-              "twell: a row list needs its count, and runs without clusters");
   TORCH_CHECK(threads == 128 || threads == 256, "twell: threads must be 128 or 256");
   TORCH_CHECK(!gated || x.has_value(), "twell: the gated kernel needs x");
   TORCH_CHECK(packed.is_cuda() && packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.dim() == 3,
@@ -406,24 +380,13 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
   if (out.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
   const at::Tensor empty;
-  RowList rows;
-  if (row_list.has_value()) {
-    TORCH_CHECK(row_list->scalar_type() == at::kInt && row_list->is_contiguous() && row_list->numel() >= out.size(0) &&
-                    row_count->scalar_type() == at::kInt && row_count->numel() >= 1 &&
-                    row_list->device() == out.device() && row_count->device() == out.device(),
-                "twell: row_list must be int32 [M] and row_count int32 [1] on out's device");
-    rows.rows = row_list->data_ptr<int>();
-    rows.count = row_count->data_ptr<int>();
-    // The listed rows are few (the heaviest); a few CTAs per SM take them in turn.
-    rows.ctas = 4 * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  }
 #define TWELL_THREADS(T, G, XX, N)                                                                     \
   if (threads == 128)                                                                                \
     dispatch_shape<T, G, 128>(XX, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, out, \
-                              static_cast<int>(tile_n), static_cast<int>(splits), static_cast<int>(cluster), rows); \
+                              static_cast<int>(tile_n), static_cast<int>(splits), static_cast<int>(cluster)); \
   else                                                                                               \
     dispatch_shape<T, G, 256>(XX, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, out, \
-                              static_cast<int>(tile_n), static_cast<int>(splits), static_cast<int>(cluster), rows);
+                              static_cast<int>(tile_n), static_cast<int>(splits), static_cast<int>(cluster));
 #define TWELL_DTYPE(T)                    \
   if (gated) {                            \
     TWELL_THREADS(T, true, *x, 0)         \

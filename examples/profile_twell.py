@@ -33,7 +33,8 @@ def main() -> None:
     from twell_compile.kernels import twell_mlp
 
     if args.dense_path:
-        twell_mlp.config.dense_block_density = twell_mlp.config.decode_dense_block_density = 0.0
+        config = twell_mlp.config
+        config.dense_block_density = config.decode_dense_block_density = config.chunked_dense_block_density = 0.0
     if args.k_splits is not None:
         twell_mlp.config.gemm_k_splits = args.k_splits
     if args.chunked_rows is not None:

@@ -21,8 +21,11 @@ for m, (k, f, d), gated, density in [(7, (257, 1031, 131), True, float("inf")), 
                                      (1950, (200, 2600, 1400), True, 0.01),  # CTA pairs in all three GEMMs, odd tile counts
                                      (300, (2056, 2600, 1400), True, 0.0),  # K split in 3 ranges in all three GEMMs
                                      (4126, (200, 2600, 1400), True, 0.01),  # cooperative 256-row tiles everywhere (below)
-                                     (600, (264, 1000, 200), True, 0.05),  # the chunked kernel (below), mixed paths
-                                     (601, (264, 1000, 200), False, float("inf"))]:  # likewise, non-gated, a listed heavy row
+                                     # The chunked kernel (below), with row 0 (all units active) a heavy row run
+                                     # by the compact dense path (csrc/twell_heavy_rows.cu); mixed paths, then
+                                     # non-gated with every block sparse.
+                                     (600, (264, 1000, 200), True, 0.024),  # 3072 units a block: about half dense
+                                     (601, (264, 1000, 200), False, float("inf"))]:
     # The last case: 256-row tiles in all three GEMMs, a last tile whose second half lies past the end,
     # and a tile of one dense and one sparse block on the dense path.
     twell_mlp.config.gemm_tile_m = twell_mlp.config.down_gemm_tile_m = 256 if m == 4126 else 128
@@ -32,7 +35,8 @@ for m, (k, f, d), gated, density in [(7, (257, 1031, 131), True, float("inf")), 
     # chunks each).
     twell_mlp.config.chunked_sparse_rows = 600 if m in (600, 601) else 0
     twell_mlp._num_sms = (lambda device: 4) if m in (600, 601) else default_num_sms
-    twell_mlp.config.dense_block_density = twell_mlp.config.decode_dense_block_density = density
+    config = twell_mlp.config
+    config.dense_block_density = config.decode_dense_block_density = config.chunked_dense_block_density = density
     twell_mlp.config.heavy_block_overflow_tiles = 2**31 - 1 if density == float("inf") else 16
     p = make_problem(m, k, f, d, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0,))
     out = torch.ops.twell.gated_relu_mlp(*p.gated_args()) if gated else torch.ops.twell.relu_mlp(*p.non_gated_args())

@@ -29,7 +29,7 @@ CHOICES = ["columns/128", "columns/256", "entries/2", "entries/4", "entries/8"]
 default_column_splits = twell_mlp._column_splits
 default_threads, default_cluster = twell_mlp._sparse_threads, twell_mlp._sparse_cluster
 default_thresholds = (twell_mlp.config.dense_block_density, twell_mlp.config.decode_dense_block_density,
-                      twell_mlp.config.heavy_block_overflow_tiles)
+                      twell_mlp.config.chunked_dense_block_density, twell_mlp.config.heavy_block_overflow_tiles)
 default_k_splits = twell_mlp.config.gemm_k_splits
 default_factor = twell_mlp.config.small_batch_density_factor
 default_chunked_rows = twell_mlp.config.chunked_sparse_rows
@@ -50,7 +50,8 @@ def use_choice(choice: str) -> None:
     twell_mlp._column_splits = default_column_splits
     twell_mlp._sparse_threads, twell_mlp._sparse_cluster = default_threads, default_cluster
     cfg = twell_mlp.config
-    cfg.dense_block_density, cfg.decode_dense_block_density, cfg.heavy_block_overflow_tiles = default_thresholds
+    (cfg.dense_block_density, cfg.decode_dense_block_density, cfg.chunked_dense_block_density,
+     cfg.heavy_block_overflow_tiles) = default_thresholds
     cfg.gemm_k_splits = default_k_splits
     cfg.small_batch_density_factor = default_factor
     cfg.chunked_sparse_rows = default_chunked_rows
@@ -64,14 +65,14 @@ def _apply(part: str) -> None:
     cfg = twell_mlp.config
     if kind == "path":
         if value == "sparse":
-            cfg.dense_block_density = cfg.decode_dense_block_density = float("inf")
+            cfg.dense_block_density = cfg.decode_dense_block_density = cfg.chunked_dense_block_density = float("inf")
             cfg.heavy_block_overflow_tiles = 2**31 - 1
         elif value == "dense":
-            cfg.dense_block_density = cfg.decode_dense_block_density = 0.0
+            cfg.dense_block_density = cfg.decode_dense_block_density = cfg.chunked_dense_block_density = 0.0
     elif kind == "heavy":
         cfg.heavy_block_overflow_tiles = int(value)
     elif kind == "density":
-        cfg.dense_block_density = cfg.decode_dense_block_density = float(value)
+        cfg.dense_block_density = cfg.decode_dense_block_density = cfg.chunked_dense_block_density = float(value)
     elif kind == "factor":
         cfg.small_batch_density_factor = float(value)
     elif kind == "ksplit":

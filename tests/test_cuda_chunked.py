@@ -2,19 +2,23 @@
 cuda``; skipped without a Hopper GPU).
 
 It serves calls of at least ``config.chunked_sparse_rows`` rows; here that limit is lowered so that
-small problems take it too. Rows with more than 512 active units go to the row-by-row kernel's row
-list, so the adversarial cases check the two together. Buffers are poisoned, so unwritten rows show.
+small problems take it too. Rows with more than 256 active units in sparse blocks ("heavy" rows) go to
+the compact dense path (csrc/twell_heavy_rows.cu), so the adversarial cases check the two together.
+Buffers are poisoned, so unwritten rows show.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+import twell_compile
 from helpers import requires_twell_kernels
 from test_cuda_kernels import ADVERSARIAL, PATHS, _check, _run, kernel_config
 from twell_compile.kernels import build, twell_mlp
-from twell_compile.testing import make_problem
+from twell_compile.testing import _normal_quantile, make_problem
 
 pytestmark = pytest.mark.cuda
 
@@ -46,9 +50,9 @@ def test_uniform_sparsity(m, shape, dtype, bias, gated):
         _check(*_run_chunked(problem, gated, path), f"m={m} {shape} {dtype} bias={bias} gated={gated} {path}")
 
 
-# Rows of 41-512 active units: two to thirteen pieces each (bfloat16; 33-512, two to sixteen in
-# float16), their partials summed by the first.
-MULTI_PIECE = {"pieces_2_to_4": dict(nnz_per_row=80.0), "pieces_up_to_16": dict(nnz_per_row=300.0, skew=True)}
+# Rows of 41-256 active units: two to seven pieces each (bfloat16; 33-256, two to eight in float16),
+# their partials summed by the first; heavier rows of the skewed case go to the compact dense path.
+MULTI_PIECE = {"pieces_2_to_4": dict(nnz_per_row=80.0), "pieces_up_to_7": dict(nnz_per_row=200.0, skew=True)}
 
 
 @requires_twell_kernels
@@ -129,3 +133,60 @@ def test_shapes_that_do_not_fit_are_declined():
     assert not _plan_is_chunked(128, 5632, 2048)  # the entry split's sizes
     with kernel_config(chunked_sparse_rows=0):
         assert not twell_mlp.call_plan(131072, 5632, 2048, torch.device("cuda")).cuda.chunked
+
+
+def _recorded_run(problem, gated, **extra):
+    with twell_compile.record_sparsity() as rec:
+        result = _run_chunked(problem, gated, "auto", **extra)
+    (call,) = rec.calls()
+    return result, call
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_heavy_rows_run_densely_without_their_blocks(dtype, gated):
+    # Fully active rows spread over sparse blocks (the first, the last, a partial last block's): they run
+    # as a compact dense MLP of their own, and every block stays sparse.
+    heavy = (0, 5, 127, 128, 700, 1000, 1031)
+    problem = make_problem(1032, 2048, 5632, nnz_per_row=24.0, dense_rows=heavy, gated=gated, bias=True, dtype=dtype)
+    (out, ref64, dense_same_dtype), call = _recorded_run(problem, gated)
+    _check(out, ref64, dense_same_dtype, f"heavy rows {dtype} gated={gated}")
+    assert call.dense_blocks == 0 and call.max_nnz_per_row == 5632
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_too_many_heavy_rows_send_their_block_dense(gated):
+    # Block 0 has 17 heavy rows (past heavy_block_overflow_tiles = 16): the dense path; block 1 has 16.
+    heavy = tuple(range(17)) + tuple(range(128, 144))
+    problem = make_problem(300, 2048, 5632, nnz_per_row=24.0, dense_rows=heavy, gated=gated, bias=True)
+    (out, ref64, dense_same_dtype), call = _recorded_run(problem, gated)
+    _check(out, ref64, dense_same_dtype, f"17 and 16 heavy rows gated={gated}")
+    assert (call.dense_blocks, call.blocks) == (1, 3)
+
+
+@requires_twell_kernels
+def test_heavy_rows_count_as_rows_at_the_threshold_density():
+    # 400 active units per row everywhere: each row is heavy and counts as a row at 1.8% (101 units), so a
+    # full block (12928 of 12975 at most) stays sparse but over 16 heavy rows sends it dense anyway.
+    problem = make_problem(256, 2048, 5632, nnz_per_row=400.0, bias=True)
+    _, call = _recorded_run(problem, True)
+    assert call.dense_blocks == 2
+    (out, ref64, dense_same_dtype), call = _recorded_run(problem, True, heavy_block_overflow_tiles=2**31 - 1)
+    _check(out, ref64, dense_same_dtype, "every row heavy, no per-block limit")
+    assert call.dense_blocks == 0
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("dense_blocks, expected", [(6, 10), (4, 4)])
+def test_every_block_goes_dense_when_most_would(dense_blocks, expected):
+    # 10 blocks, the first ones at 160 active units per row (past 1.8%): with 6 of 10 such blocks the
+    # others follow them onto the dense path; with 4 they stay sparse.
+    f = 5632
+    problem = make_problem(1280, 2048, f, nnz_per_row=24.0, bias=True)
+    x = problem.x.clone()
+    x[: 128 * dense_blocks, 0] = _normal_quantile(160 / f)  # column 0 carries each row's density shift
+    (out, ref64, dense_same_dtype), call = _recorded_run(dataclasses.replace(problem, x=x), True)
+    _check(out, ref64, dense_same_dtype, f"{dense_blocks} dense blocks of 10")
+    assert call.dense_blocks == expected

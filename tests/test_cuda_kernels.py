@@ -37,8 +37,8 @@ def kernel_config(**overrides):
 # Dense-path decision forced one way or the other, and the default (device-side, per 128-row block).
 PATHS = {
     "sparse": dict(dense_block_density=float("inf"), decode_dense_block_density=float("inf"),
-                   heavy_block_overflow_tiles=2**31 - 1),
-    "dense": dict(dense_block_density=0.0, decode_dense_block_density=0.0),
+                   chunked_dense_block_density=float("inf"), heavy_block_overflow_tiles=2**31 - 1),
+    "dense": dict(dense_block_density=0.0, decode_dense_block_density=0.0, chunked_dense_block_density=0.0),
     "auto": {},
 }
 

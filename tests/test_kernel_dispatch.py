@@ -131,6 +131,31 @@ def test_call_plan_takes_the_chunked_kernel_for_large_calls_that_fit(monkeypatch
     assert not twell_mlp.call_plan(131072, 5632, 2048, device).cuda.chunked
 
 
+def test_chunked_calls_decide_on_the_device_at_their_own_density(monkeypatch):
+    """A chunked call's kernel gets the chunked density (1.8%) and the heavy-row limit; what the call
+    returns for statistics is the kernel's decision per block (1: dense), which block_dense reads with
+    CHUNKED_DECISION_THRESHOLDS."""
+    import types
+
+    from twell_compile.kernels import build
+
+    ext = types.SimpleNamespace(MlpPlan=types.SimpleNamespace, chunked_sparse_fits=lambda *args: True)
+    monkeypatch.setattr(twell_mlp, "_PLANS", {})
+    monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(build, "cuda_extension", lambda: ext)
+    monkeypatch.setattr(twell_mlp.config, "chunked_sparse_rows", 32768)
+    f = 5632
+    plan = twell_mlp.call_plan(40000, f, 2048, torch.device("cuda", 0))  # last block: 40000 - 312 * 128 = 64 rows
+    assert plan.cuda.chunked
+    assert (plan.cuda.thr_full, plan.cuda.thr_last, plan.cuda.thr_heavy) == (
+        int(128 * f * 0.018), int(64 * f * 0.018), 16)
+    assert plan.thresholds == twell_mlp.CHUNKED_DECISION_THRESHOLDS
+    decided = torch.tensor([0, 1, 1, 0, 0, 0], dtype=torch.int32)
+    assert twell_mlp.block_dense(decided, plan.thresholds).tolist() == [False, True, True]
+    small = twell_mlp.call_plan(4096, f, 2048, torch.device("cuda", 0))
+    assert not small.cuda.chunked and small.thresholds == twell_mlp._dense_thresholds(4096, f, entry_split=False)
+
+
 def test_sliced_weight_layouts():
     """Slice s of the chunked kernel's weights holds 8 columns of every unit: W_up [F, K] ->
     [K / 8, F, 8] with [s, n, i] = W_up[n, 8 s + i]; W_down [D, F] -> [D / 8, F, 8] with

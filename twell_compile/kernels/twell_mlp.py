@@ -8,9 +8,10 @@ Per call, all on PyTorch's current stream, allocations through its caching alloc
      overflowing tiles to a dense backup, active counts summed per 128-row block;
   2. a block is dense when its active fraction exceeds ``config.dense_block_density`` or it has many
      overflowing row-tiles (each kernel makes the same integer test, ``csrc/dense_block_test.cuh``);
-  3. ``sparse_mlp_out`` (``csrc/twell_sparse_mlp.cu``): sparse blocks' rows of the output (large calls:
-     ``chunked_sparse_mlp_out``, ``csrc/twell_sparse_chunked.cu``, and the former for the rows with more
-     than 512 active units, which the chunks leave);
+  3. ``sparse_mlp_out`` (``csrc/twell_sparse_mlp.cu``): sparse blocks' rows of the output. Large calls
+     instead run ``chunked_sparse_mlp_out`` (``csrc/twell_sparse_chunked.cu``), which makes step 2's
+     decision itself, not counting rows of more than 256 active units, and lists those rows for
+     ``heavy_rows_mlp_out`` (``csrc/twell_heavy_rows.cu``), a dense MLP over just them;
   4. dense blocks' rows by dense GEMMs (the wgmma GEMM of ``csrc/twell_gemm.cu``; at most 64 rows, the
      split-K GEMVs of ``csrc/twell_decode_gemv.cu``; Triton kernels where the Triton gate ran or an
      operand is not TMA-able): h = relu(gate) * up in place in the backup
@@ -59,9 +60,18 @@ class KernelConfig:
     forced paths crossed between 56 and 80 units per row (1.0-1.4%): at 80, M = 1024 took 191.3 us sparse
     and 150.7 dense; at 56, 155.6 and 150.0 (M = 4096: 432.2 and 465.5). 24-39 units per row are
     untouched (examples/sweep_sparse_launch.py). Large calls keep 1.5%, measured at M = 131072."""
+    chunked_dense_block_density: float = float(os.environ.get("TWELL_CHUNKED_DENSE_BLOCK_DENSITY", "0.018"))
+    """dense_block_density for calls that run the chunked sparse kernel (``chunked_sparse_rows``), whose
+    cost grows more slowly with the active units: there the forced paths crossed between 96 and 112
+    units per row, 1.7-2.0% (H100, 2B shape, M = 131072, uniform, CUDA graphs, 2026-11-23: at 96,
+    13.96 ms sparse against 14.78 dense; at 112, 15.44 against 15.12; at 128, 16.88 against 15.28).
+    Its rows of more than 256 active units (heavy rows) are not counted in the block's active units:
+    they run as a compact dense MLP, each counted as a row at this density."""
     heavy_block_overflow_tiles: int = 16
     """A 128-row block with more (row, tile) pairs past capacity than this also runs the dense path: on
-    the sparse path a row with hundreds of active units is one CTA's sequential work (a straggler)."""
+    the sparse path a row with hundreds of active units is one CTA's sequential work (a straggler). In
+    calls of the chunked kernel, whose heavy rows run as a compact dense MLP, it is instead the most
+    heavy rows a sparse block may have (which bounds that MLP's buffers to an eighth of the rows)."""
     decode_dense_block_density: float = float(os.environ.get("TWELL_DECODE_DENSE_BLOCK_DENSITY", "0.05"))
     """dense_block_density for calls whose sparse kernel splits each row's units over a cluster of CTAs
     (at most 128 rows; up to 64 their dense path runs as split-K GEMVs, decode_dense_gemv). On an H200
@@ -116,7 +126,9 @@ class KernelConfig:
     at 80; at M = 32768, 2.23 against 2.30 and 3.47 against 4.17 ms; at 16384 rows it lost at 24 (1.53
     against 1.17 ms), hence the limit. In the 2B Llama benchmark (activations from a calibrated gate
     bias, 19-34 mean active units per layer, some units far more often active than others, which
-    helps the row-by-row kernel's caches) it was 1.3% slower: 1026.7 against 1013.8 ms."""
+    helps the row-by-row kernel's caches) it was 1.3% slower: 1026.7 against 1013.8 ms. Its rows of
+    more than 256 active units run as a compact dense MLP (csrc/twell_heavy_rows.cu), whose buffers
+    take up to an eighth of the call's rows (about 320 MB at M = 131072, 2B shape) while it runs."""
     tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
     """Let the Triton kernels load through TMA descriptors where rows allow (off: pointer loads)."""
     poison_buffers: bool = False
@@ -240,13 +252,16 @@ def _tma_ok(*tensors: Tensor) -> bool:
 SMALL_BATCH_ROWS = 4096  # the largest call config.small_batch_density_factor applies to
 
 
-def _dense_thresholds(m: int, f: int, entry_split: bool) -> tuple[int, int, int]:
+def _dense_thresholds(m: int, f: int, entry_split: bool, chunked: bool = False) -> tuple[int, int, int]:
     """Largest active count a full 128-row block, and the last (maybe partial) block, may have and
-    still take the sparse path, and the most row-tiles past capacity a block may have. Plain integers
-    from shapes and the settings: no device data involved. ``entry_split``: the sparse kernel splits
-    each row's units over a cluster (calls of at most 128 rows), which moves the crossover; so does
-    a call of at most ``SMALL_BATCH_ROWS`` rows (``config.small_batch_density_factor``)."""
-    if entry_split:
+    still take the sparse path, and the most row-tiles past capacity a block may have (chunked: heavy
+    rows). Plain integers from shapes and the settings: no device data involved. ``entry_split``: the
+    sparse kernel splits each row's units over a cluster (calls of at most 128 rows), which moves the
+    crossover; so do a call of at most ``SMALL_BATCH_ROWS`` rows (``config.small_batch_density_factor``)
+    and one of the chunked kernel (``config.chunked_dense_block_density``)."""
+    if chunked:
+        density = config.chunked_dense_block_density
+    elif entry_split:
         density = config.decode_dense_block_density
     elif m <= SMALL_BATCH_ROWS:
         density = config.dense_block_density * config.small_batch_density_factor
@@ -368,9 +383,13 @@ def _decode_dense(m: int) -> bool:
     return m <= _DECODE_ROWS and config.decode_dense_gemv
 
 
+# block_dense's thresholds for a chunked call's decision array: dense where it holds 1.
+CHUNKED_DECISION_THRESHOLDS = (0, 0, 2**31 - 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class CallPlan:
-    thresholds: tuple[int, int, int]
+    thresholds: tuple[int, int, int]  # what block_dense applies to the call's third result
     cap: int
     cuda: object | None  # the extension's MlpPlan for the one-call path; None where settings rule it out
 
@@ -385,6 +404,8 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     thresholds = _dense_thresholds(m, f, launch.entry_split)
     if not (config.wgmma_kernels and _cuda_tiles(plan)):
         return CallPlan(thresholds, plan.cap, None)
+    chunked = _chunked(m, f, d, launch)
+    kernel_thresholds = _dense_thresholds(m, f, launch.entry_split, chunked) if chunked else thresholds
     cuda = build.cuda_extension().MlpPlan()
     cuda.cap, cuda.tile_n = plan.cap, plan.tile_n
     cuda.decode_gate, cuda.decode_dense = _decode_gate(m), _decode_dense(m)
@@ -393,10 +414,11 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     cuda.gemm_tile_m, cuda.down_gemm_tile_m = config.gemm_tile_m, config.down_gemm_tile_m
     cuda.gemm_k_splits = config.gemm_k_splits
     cuda.sparse_splits, cuda.sparse_threads, cuda.sparse_cluster = launch.splits, launch.threads, launch.cluster
-    cuda.chunked = _chunked(m, f, d, launch)
-    cuda.thr_full, cuda.thr_last, cuda.thr_heavy = thresholds
+    cuda.chunked = chunked
+    cuda.thr_full, cuda.thr_last, cuda.thr_heavy = kernel_thresholds
     cuda.poison, cuda.poison_word, cuda.poison_count = config.poison_buffers, _POISON_WORD, _POISON_COUNT
-    return CallPlan(thresholds, plan.cap, cuda)
+    # A chunked call returns the chunked kernel's decision per block (1: dense) instead of block_nnz.
+    return CallPlan(CHUNKED_DECISION_THRESHOLDS if chunked else thresholds, plan.cap, cuda)
 
 
 def _chunked(m: int, f: int, d: int, launch: SparseLaunch) -> bool:
