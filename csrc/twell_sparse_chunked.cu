@@ -10,7 +10,8 @@
 // (twell_compile/kernels/weight_cache.py).
 //
 // Work: a row's entries are cut into ceil(len / 40) near-equal pieces, one thread each, the piece's
-// units and values held in registers for the whole chunk.
+// units and values held in registers for the whole chunk, in an order planned with the other lanes of
+// its quarter warp so that they read different shared-memory banks (schedule_bank_steps).
 //   up (gated): per slice, a thread adds x[row, 8 columns] . W_up[unit, same columns] for each of its
 //     entries; after the last slice h = g * round(up + b_up), as the row-by-row kernel rounds;
 //   down: per slice, a thread sums h * W_down^T[unit, 8 columns] over its entries; a row's first piece
@@ -190,48 +191,30 @@ __global__ void __launch_bounds__(kWorkThreads) row_work_kernel(
   }
 }
 
-// The chunk kernel's threads read their entries' slice rows from shared memory, 16 bytes each, so the
-// 8 lanes of a quarter warp conflict when their units share a bank group (unit % 8): under random units
-// a load took about 8.4 wavefronts instead of 4 (Nsight Compute, H100). A piece whose global index is
-// p runs on a lane l with l % 8 == p % 8 (see chunked_mlp_kernel), so its entries are ordered here, for
-// that lane, to put bank group (j + p) % 8 at position j where the piece has one left (else the next
-// group round that has): the lanes of a quarter warp then want different groups at each step. Greedy
-// and deterministic (a group's entries keep their order). A warp per piece of at most 64 entries.
-__device__ void order_piece_for_banks(uint32_t* __restrict__ piece, int n, int rotation, int lane) {
-  // Entry i is held by lane i % 32, as its word i / 32.
+// Sorts a piece's entries (at most 64: a warp, entry i held by lane i % 32 as its word i / 32) by
+// shared-memory bank group, unit % 8, keeping each group's entries in order. The chunk kernel then
+// takes a group's entries in this order when it schedules its loads (schedule_bank_steps).
+__device__ void sort_piece_by_bank(uint32_t* __restrict__ piece, int n, int lane) {
   uint32_t word[2];
-  int group[2], rank[2];
-  uint64_t sizes = 0;  // entries per group, a byte each
+  int group[2], position[2] = {0, 0};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int i = h * 32 + lane;
     word[h] = i < n ? piece[i] : 0u;
     group[h] = i < n ? static_cast<int>(word[h] & 7u) : 8;
-    rank[h] = __popc(__match_any_sync(0xffffffffu, group[h]) & ((1u << lane) - 1u));
   }
-  uint64_t first_sizes = 0;  // per group, among the first words
+  // Position = entries of lower groups + entries of the same group before this one.
 #pragma unroll
   for (int g = 0; g < 8; ++g) {
-    const int first = __popc(__ballot_sync(0xffffffffu, group[0] == g));
-    first_sizes |= static_cast<uint64_t>(first) << (8 * g);
-    sizes |= static_cast<uint64_t>(first + __popc(__ballot_sync(0xffffffffu, group[1] == g))) << (8 * g);
+    const int in_first = __popc(__ballot_sync(0xffffffffu, group[0] == g));
+    const int in_group = in_first + __popc(__ballot_sync(0xffffffffu, group[1] == g));
+    if (group[0] > g) position[0] += in_group;
+    if (group[1] > g) position[1] += in_group;
+    if (group[1] == g) position[1] += in_first;
   }
-  if (group[1] < 8) rank[1] += static_cast<int>((first_sizes >> (8 * group[1])) & 0xffu);
-  unsigned nonempty = 0;
-#pragma unroll
-  for (int g = 0; g < 8; ++g) nonempty |= (((sizes >> (8 * g)) & 0xffu) != 0 ? 1u : 0u) << g;
-  uint64_t taken = 0;
-  int position[2] = {0, 0};
-  for (int j = 0; j < n; ++j) {
-    const int want = (j + rotation) & 7;
-    const unsigned rotated = ((nonempty >> want) | (nonempty << (8 - want))) & 0xffu;
-    const int g = (want + __ffs(rotated) - 1) & 7;
-    const int k = static_cast<int>((taken >> (8 * g)) & 0xffu);
-    if (group[0] == g && rank[0] == k) position[0] = j;
-    if (group[1] == g && rank[1] == k) position[1] = j;
-    taken += uint64_t{1} << (8 * g);
-    if (k + 1 == static_cast<int>((sizes >> (8 * g)) & 0xffu)) nonempty &= ~(1u << g);
-  }
+  const unsigned below = (1u << lane) - 1u;
+  position[0] += __popc(__match_any_sync(0xffffffffu, group[0]) & below);
+  position[1] += __popc(__match_any_sync(0xffffffffu, group[1]) & below);
   __syncwarp();  // every lane has its words before any is overwritten
 #pragma unroll
   for (int h = 0; h < 2; ++h)
@@ -240,7 +223,7 @@ __device__ void order_piece_for_banks(uint32_t* __restrict__ piece, int n, int r
 
 // 2. Per row taken (a warp each): its entries, in the row-by-row kernel's order (tile by tile, packed
 // slots, or the dense backup of tiles past capacity), into entries[] at the row's offset, one word each:
-// value bits << 16 | unit; then each piece's entries reordered for shared-memory banks (above).
+// value bits << 16 | unit; then each piece's entries sorted by bank group (above).
 template <typename T>
 __global__ void __launch_bounds__(kWorkThreads) flatten_entries_kernel(
     const uint32_t* __restrict__ packed, const int* __restrict__ counts, const T* __restrict__ dense,
@@ -289,25 +272,23 @@ __global__ void __launch_bounds__(kWorkThreads) flatten_entries_kernel(
     }
   }
   __syncwarp();  // the row's entries are written (and visible to the warp)
-  const int64_t first_piece = work_pieces(prefix[row]);
   const int len = static_cast<int>(work_entries(prefix[row + 1]) - begin);
-  const int parts = static_cast<int>(work_pieces(prefix[row + 1]) - first_piece);
+  const int parts = static_cast<int>(work_pieces(prefix[row + 1]) - work_pieces(prefix[row]));
   for (int part = 0; part < parts; ++part)
-    order_piece_for_banks(dst + len * part / parts, len * (part + 1) / parts - len * part / parts,
-                          static_cast<int>((first_piece + part) & 7), lane);
+    sort_piece_by_bank(dst + len * part / parts, len * (part + 1) / parts - len * part / parts, lane);
 }
 
-// 3. The chunks; see the file comment. Shared memory: two slice buffers (F x 16 bytes each, then one
-// zero unit that padding entries read), two sets of piece partials (8 floats per piece), two barriers,
-// the chunk's row range. At a chunk's start the partials' space holds the pieces' order instead.
+// 3. The chunks; see the file comment. Shared memory: two slice buffers (F x 16 bytes each, then
+// kZeroUnits zero units that padding positions read), two sets of piece partials (8 floats per piece),
+// two barriers, the chunk's row range. At a chunk's start the partials' space holds the pieces' order,
+// then each thread's load plan (below) until the up projection is done.
 //
 // Thread order. A warp steps through its lanes' entries together, so it runs as long as its longest
 // piece, and all warps meet at every slice. So each chunk's pieces are sorted by entry count, longest
-// first, within each class of piece index mod 8 (piece p goes to a thread t with t % 8 == p % 8, which
-// the bank order of flatten_entries_kernel assumes). Which thread runs a piece changes no result: a
-// piece's sums depend only on its entries (in flatten's order), and a row's pieces add their partials
-// in piece order. Entries are read four at a time, warp-uniformly; past a piece's end they read the
-// zero unit (a shared address, so no bank conflict) with h = 0.
+// first, within each class of piece index mod 8 (ties in piece order, so the order is deterministic).
+// A piece's up projections do not depend on where it runs; its down partials sum its entries in its
+// plan's order, which depends on the 8 pieces of its quarter warp, fixed by the sort. A row's pieces
+// add their partials in piece order.
 struct PieceOrder {
   int row, first_entry;
   int count_and_parts;  // entries | (the row's piece count if this is its first piece, else 0) << 8
@@ -316,6 +297,79 @@ struct PieceOrder {
 template <typename T>
 constexpr int kCountBuckets = kPieceEntries<T> + 1;  // entry counts 0 (idle thread) .. kPieceEntries
 constexpr int kLoadGroup = 4;  // slice loads in flight per thread
+constexpr int kZeroUnits = 8;  // one per bank group
+// A thread's plan: its group starts (one byte per group), then a byte per load position.
+template <typename T>
+constexpr int kPlanBytes = 8 + kPieceEntries<T>;
+constexpr uint8_t kPadPosition = 8;  // plan code: read the zero unit of the group in the low bits
+
+// The zero unit of bank group g: units F .. F + 7 after each slice.
+__device__ __forceinline__ uint32_t zero_unit(int F, int g) { return static_cast<uint32_t>(F + ((g - F) & 7)); }
+
+// The group (0-7) in `allowed` with the most entries left (one byte per group), -1 when none has any.
+__device__ __forceinline__ int fullest_group(uint64_t left_per_group, uint32_t allowed) {
+  int best = -1, best_left = 0;
+#pragma unroll
+  for (int g = 0; g < 8; ++g) {
+    const int n = static_cast<int>((left_per_group >> (8 * g)) & 0xffu);
+    if (((allowed >> g) & 1u) != 0u && n > best_left) {
+      best = g;
+      best_left = n;
+    }
+  }
+  return best;
+}
+
+// The order of a thread's shared-memory loads, planned with the other 7 lanes of its quarter warp. A
+// warp's 16-byte loads are served a quarter warp at a time, one wavefront per lane whose bank group
+// (unit % 8) another lane already hit, so a step costs as many wavefronts as its busiest group has
+// lanes. Pieces ordering their entries alone took 7.0 wavefronts per warp load instead of 4 (Nsight
+// Compute, H100, 24 active units per row). Here the lanes choose each step's groups in turn (the
+// first rotating with the step): a group no lane has taken at this step, the one where the lane has
+// most entries left; when all its groups are taken, it waits for a later step if it has positions to
+// spare, else takes its fullest group anyway (a conflict). Lanes without an entry at a step read the
+// zero unit of a group left free. A simulation of random units puts this at about 1.2 wavefronts per
+// step at 24 to 80 active units per row, against 1.8 for the per-piece order.
+// per_group: the piece's entries per group, a byte each; steps: the warp's load positions (every
+// piece's count fits); plan[j]: position j's group, or kPadPosition | a free group.
+__device__ void schedule_bank_steps(uint64_t per_group, int left, int steps, int lane, uint8_t* __restrict__ plan) {
+  const int q = lane & 7, quarter = lane & ~7;
+  for (int j = 0; j < steps; ++j) {
+    uint32_t taken = 0;  // groups the quarter's lanes read at this step
+    int mine = -1;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int actor = (k + j) & 7;
+      int want = -1;
+      if (q == actor) {
+        want = fullest_group(per_group, ~taken & 0xffu);
+        if (want < 0 && left >= steps - j) want = fullest_group(per_group, 0xffu);  // no position to spare
+      }
+      want = __shfl_sync(0xffffffffu, want, quarter | actor);
+      if (want >= 0) taken |= 1u << want;
+      if (q == actor) mine = want;
+    }
+    const uint32_t pads = (__ballot_sync(0xffffffffu, mine < 0) >> quarter) & 0xffu;
+    uint8_t code;
+    if (mine >= 0) {
+      per_group -= uint64_t{1} << (8 * mine);
+      --left;
+      code = static_cast<uint8_t>(mine);
+    } else {  // the r-th pad lane takes the r-th free group; if too few are free, they share the first
+      const uint32_t free = ~taken & 0xffu;
+      int g = free != 0u ? __ffs(free) - 1 : 0;
+      int r = __popc(pads & ((1u << q) - 1u));
+      for (uint32_t f = free; f != 0u; f &= f - 1u, --r) {
+        if (r == 0) {
+          g = __ffs(f) - 1;
+          break;
+        }
+      }
+      code = static_cast<uint8_t>(kPadPosition | g);
+    }
+    plan[j] = code;
+  }
+}
 
 template <typename T, bool GATED>
 __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
@@ -328,15 +382,18 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
     const uint32_t* __restrict__ entries, const int64_t* __restrict__ prefix, int64_t M, int K, int D, int F) {
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t slice_bytes = static_cast<uint32_t>(F) * kSlice * sizeof(T);
-  const uint32_t buffer_bytes = slice_bytes + kSlice * sizeof(T);  // the slice, then the zero unit
+  const uint32_t buffer_bytes = slice_bytes + kZeroUnits * kSlice * sizeof(T);  // the slice, then the zero units
   unsigned char* slices = smem;
   float4* partials = reinterpret_cast<float4*>(smem + 2 * buffer_bytes);  // [2][kChunkThreads][2]
   uint64_t* full = reinterpret_cast<uint64_t*>(partials + 2 * kChunkThreads * 2);  // [2]: a slice landed
   int64_t* chunk_rows = reinterpret_cast<int64_t*>(full + 2);
-  int* buckets = reinterpret_cast<int*>(partials);  // [8][kCountBuckets<T>], at a chunk's start
-  PieceOrder* order = reinterpret_cast<PieceOrder*>(buckets + 8 * kCountBuckets<T>);  // [kChunkThreads]
+  // At a chunk's start, in the partials' space: per class and entry count, which of the class's 64
+  // threads hold such a piece (a bit each) and where the count's pieces start; then the order.
+  unsigned long long* bucket_threads = reinterpret_cast<unsigned long long*>(partials);  // [8][kCountBuckets]
+  int* bucket_start = reinterpret_cast<int*>(bucket_threads + 8 * kCountBuckets<T>);   // [8][kCountBuckets]
+  PieceOrder* order = reinterpret_cast<PieceOrder*>(bucket_start + 8 * kCountBuckets<T>);  // [kChunkThreads]
 
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31;
   const int64_t total_pieces = work_pieces(prefix[M]);
   if (total_pieces == 0) return;
   // Chunks of near-equal piece counts, in whole waves of the persistent grid when there are more
@@ -352,7 +409,6 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
   const int up_slices = GATED ? K / kSlice : 0, down_slices = D / kSlice;
   const int per_chunk = up_slices + down_slices;
   const int n_stages = my_chunks * per_chunk;
-
   const auto issue = [&](int stage) {  // one thread: the slice of stage `stage` into buffer stage % 2
     const int s = stage % per_chunk;
     const T* src = s < up_slices ? w_up_sliced + static_cast<int64_t>(s) * F * kSlice
@@ -365,7 +421,9 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
     ptx::mbarrier_init(&full[1], 1);
     ptx::fence_barrier_init();
   }
-  if (tid < 2) *reinterpret_cast<uint4*>(slices + tid * buffer_bytes + slice_bytes) = make_uint4(0u, 0u, 0u, 0u);
+  if (tid < 2 * kZeroUnits)
+    *reinterpret_cast<uint4*>(slices + (tid / kZeroUnits) * buffer_bytes + slice_bytes +
+                              (tid % kZeroUnits) * kSlice * sizeof(T)) = make_uint4(0u, 0u, 0u, 0u);
   __syncthreads();
   if (tid == 0) {
     issue(0);
@@ -377,7 +435,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
     const int64_t chunk = blockIdx.x + static_cast<int64_t>(i) * grid;
     __syncthreads();  // everyone is done with the previous chunk (its row range, its partials)
     if (tid < 2) chunk_rows[tid] = first_row_with_pieces(prefix, 0, M, (chunk + tid) * chunk_size);
-    for (int b = tid; b < 8 * kCountBuckets<T>; b += kChunkThreads) buckets[b] = 0;
+    for (int b = tid; b < 8 * kCountBuckets<T>; b += kChunkThreads) bucket_threads[b] = 0ull;
     __syncthreads();
     const int64_t row_begin = chunk_rows[0], row_end = chunk_rows[1];
     const int64_t piece = work_pieces(prefix[row_begin]) + tid;
@@ -397,39 +455,75 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
       mine.first_entry = static_cast<int>(work_entries(here) + a);
       mine.count_and_parts = natural_count | (part == 0 ? parts : 0) << 8;
     }
+    // Class cls holds the threads tid = c + 8 m (m = 0 .. 63) for one c, so tid / 8 ranks them.
     const int cls = static_cast<int>(piece & 7);
     const int bucket = kPieceEntries<T> - natural_count;  // longest first
-    const int slot = atomicAdd(&buckets[cls * kCountBuckets<T> + bucket], 1);
+    atomicOr(&bucket_threads[cls * kCountBuckets<T> + bucket], 1ull << (tid / 8));
     __syncthreads();
-    if (tid < 8) {  // exclusive prefix over the class's buckets
+    if (tid < 8) {  // where each count's pieces start in the class
       int sum = 0;
       for (int b = 0; b < kCountBuckets<T>; ++b) {
-        const int n = buckets[tid * kCountBuckets<T> + b];
-        buckets[tid * kCountBuckets<T> + b] = sum;
-        sum += n;
+        bucket_start[tid * kCountBuckets<T> + b] = sum;
+        sum += __popcll(bucket_threads[tid * kCountBuckets<T> + b]);
       }
     }
     __syncthreads();
-    order[8 * (buckets[cls * kCountBuckets<T> + bucket] + slot) + cls] = mine;  // each class has 64 threads
+    const int slot = bucket_start[cls * kCountBuckets<T> + bucket] +
+                     __popcll(bucket_threads[cls * kCountBuckets<T> + bucket] & ((1ull << (tid / 8)) - 1ull));
+    order[8 * slot + cls] = mine;  // each class has 64 threads
     __syncthreads();
     const PieceOrder job = order[tid];
     const int count = job.count_and_parts & 0xff;
     // A row's first piece adds the partials of its other pieces, the next ones in the chunk.
     const int job_parts = job.count_and_parts >> 8;
     const int groups = (__reduce_max_sync(0xffffffffu, static_cast<unsigned>(count)) + kLoadGroup - 1) / kLoadGroup;
+    const int steps = groups * kLoadGroup;
 
-    uint32_t units[kPieceEntries<T> / 2];  // entry j's unit in bits 16 (j % 2) .. +15 (padding: F, the zero unit)
+    // The load plan (flatten sorted the piece's entries by bank group).
+    uint64_t per_group = 0;  // entries per group, a byte each
+#pragma unroll
+    for (int j = 0; j < kPieceEntries<T>; ++j)
+      if (j < count) per_group += uint64_t{1} << (8 * (entries[job.first_entry + j] & 7u));
+    __syncthreads();  // the order is read: the plans take its place
+    uint8_t* plan = reinterpret_cast<uint8_t*>(partials) + tid * kPlanBytes<T>;
+    // Group starts in the piece: the bytes' exclusive prefix sums (at most kPieceEntries each).
+    *reinterpret_cast<uint64_t*>(plan) = (per_group * 0x0101010101010101ull) << 8;
+    schedule_bank_steps(per_group, count, steps, lane, plan + 8);
+
+    // Walks the plan's positions: at(j, entry) with the entry's word, or pad(j, unit) for a zero unit.
+    const auto walk_plan = [&](auto&& at, auto&& pad) {
+      const uint64_t start = *reinterpret_cast<const uint64_t*>(plan);
+      uint64_t taken = 0;  // entries used per group
+#pragma unroll
+      for (int j = 0; j < kPieceEntries<T>; ++j) {
+        if (j < steps) {
+          const int code = plan[8 + j], g = code & 7;
+          if ((code & kPadPosition) != 0) {
+            pad(j, zero_unit(F, g));
+          } else {
+            const int k = static_cast<int>(((start >> (8 * g)) & 0xffu) + ((taken >> (8 * g)) & 0xffu));
+            taken += uint64_t{1} << (8 * g);
+            at(j, entries[job.first_entry + k]);
+          }
+        }
+      }
+    };
+    uint32_t units[kPieceEntries<T> / 2];  // position j's unit in bits 16 (j % 2) .. +15
     float acc[kPieceEntries<T>];           // up projections, then h (padding: 0)
 #pragma unroll
     for (int j = 0; j < kPieceEntries<T>; ++j) {
-      const uint32_t word = j < count ? entries[job.first_entry + j] : 0u;
-      const uint32_t unit = j < count ? (word & 0xffffu) : static_cast<uint32_t>(F);
-      if (j % 2 == 0) units[j / 2] = unit;
-      else units[j / 2] |= unit << 16;
-      acc[j] = GATED || j >= count ? 0.f : Dtype16<T>::value(word >> 16);
+      if (j % 2 == 0) units[j / 2] = 0u;
+      acc[j] = 0.f;
     }
-    // use(j, w) for each entry j of the piece (and padding up to whole groups) with w its unit's 8
-    // columns in `slice`; the group's rows are loaded before any is used.
+    const auto set_unit = [&](int j, uint32_t unit) { units[j / 2] |= j % 2 == 0 ? unit : unit << 16; };
+    walk_plan(
+        [&](int j, uint32_t word) {
+          set_unit(j, word & 0xffffu);
+          if constexpr (!GATED) acc[j] = Dtype16<T>::value(word >> 16);
+        },
+        [&](int j, uint32_t unit) { set_unit(j, unit); });
+    // use(j, w) for each position j of the plan (warp-uniformly, whole groups of kLoadGroup) with w its
+    // unit's 8 columns in `slice`; the group's rows are loaded before any is used.
     const auto for_each_entry = [&](const unsigned char* slice, auto&& use) {
 #pragma unroll
       for (int g = 0; g < kPieceEntries<T> / kLoadGroup; ++g) {
@@ -450,7 +544,6 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
         }
       }
     };
-    __syncthreads();  // the order is read before the partials' space is written
 
     if constexpr (GATED) {
       const T* x_row = x + static_cast<int64_t>(job.row) * K;
@@ -470,18 +563,16 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
         __syncthreads();  // every thread is done with this buffer
         if (tid == 0 && stage + 2 < n_stages) issue(stage + 2);
       }
-      // h = g * round(up + b_up), as eager rounds up(x) to the input dtype before the product.
-#pragma unroll
-      for (int j = 0; j < kPieceEntries<T>; ++j) {
-        if (j < count) {
-          const uint32_t word = entries[job.first_entry + j];
-          const float up = acc[j] + (b_up != nullptr ? Dtype16<T>::to_float(b_up[word & 0xffffu]) : 0.f);
-          acc[j] = Dtype16<T>::value(word >> 16) * Dtype16<T>::to_float(Dtype16<T>::from_float(up));
-        } else {
-          acc[j] = 0.f;
-        }
-      }
+      // h = g * round(up + b_up), as eager rounds up(x) to the input dtype before the product; padding
+      // positions (whose sums are NaN where x is not finite) get 0.
+      walk_plan(
+          [&](int j, uint32_t word) {
+            const float up = acc[j] + (b_up != nullptr ? Dtype16<T>::to_float(b_up[word & 0xffffu]) : 0.f);
+            acc[j] = Dtype16<T>::value(word >> 16) * Dtype16<T>::to_float(Dtype16<T>::from_float(up));
+          },
+          [&](int j, uint32_t) { acc[j] = 0.f; });
     }
+    __syncthreads();  // every plan is read before the down projection's partials overwrite them
 
     T* out_row = out + static_cast<int64_t>(job.row) * D;
     for (int s = 0; s < down_slices; ++s, ++stage) {
@@ -584,9 +675,11 @@ void run_chunked(const c10::optional<at::Tensor>& x, const at::Tensor& packed, c
 }  // namespace
 
 size_t chunked_smem_bytes(int64_t F, int64_t element_size) {
-  static_assert(8 * kCountBuckets<__nv_bfloat16> * sizeof(int) + kChunkThreads * sizeof(PieceOrder) <=
-                    2 * kChunkThreads * 2 * sizeof(float4), "a chunk's order fits in the partials' space");
-  return static_cast<size_t>(2 * (F + 1) * kSlice * element_size) + 2 * kChunkThreads * 2 * sizeof(float4) +
+  static_assert(8 * kCountBuckets<__nv_bfloat16> * (sizeof(unsigned long long) + sizeof(int)) +
+                        kChunkThreads * sizeof(PieceOrder) <= 2 * kChunkThreads * 2 * sizeof(float4) &&
+                    kChunkThreads * kPlanBytes<__nv_bfloat16> <= 2 * kChunkThreads * 2 * sizeof(float4),
+                "a chunk's order, and then its plans, fit in the partials' space");
+  return static_cast<size_t>(2 * (F + kZeroUnits) * kSlice * element_size) + 2 * kChunkThreads * 2 * sizeof(float4) +
          2 * sizeof(uint64_t) + 2 * sizeof(int64_t);
 }
 
@@ -594,7 +687,7 @@ bool chunked_sparse_fits(int64_t K, int64_t F, int64_t D, int64_t element_size, 
   int device = 0, max_smem = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return F >= 1 && F <= 0xffff && D % kSlice == 0 && (!gated || K % kSlice == 0) &&
+  return F >= 1 && F + kZeroUnits - 1 <= 0xffff && D % kSlice == 0 && (!gated || K % kSlice == 0) &&
          chunked_smem_bytes(F, element_size) <= static_cast<size_t>(max_smem);
 }
 

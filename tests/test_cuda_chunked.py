@@ -72,7 +72,10 @@ def test_adversarial_sparsity(case, gated, path):
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 def test_many_chunks_per_cta_and_deterministic(gated, monkeypatch):
     # Four CTAs for a 4097-row call: each runs several chunks back to back (the slice pipeline carries
-    # over from one chunk to the next). The result must not depend on the grid, nor change run to run.
+    # over from one chunk to the next), with warps running up to a slice apart. Each grid's result must
+    # be exact and the same run to run. Across grids they agree to rounding only: a piece's load order
+    # (and so its down projection's summation order) is planned with the 7 other pieces of its quarter
+    # warp, and the grid decides which pieces those are.
     problem = make_problem(4097, 2048, 5632, gated=gated, bias=True, nnz_per_row=60.0, skew=True)
     first, ref64, dense_same_dtype = _run_chunked(problem, gated, "sparse")
     _check(first, ref64, dense_same_dtype, "all SMs")
@@ -80,12 +83,16 @@ def test_many_chunks_per_cta_and_deterministic(gated, monkeypatch):
     assert torch.equal(first, again)
     monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 4)
     few, _, _ = _run_chunked(problem, gated, "sparse")
-    assert torch.equal(first, few)
+    _check(few, ref64, dense_same_dtype, "4 CTAs")
+    few_again, _, _ = _run_chunked(problem, gated, "sparse")
+    assert torch.equal(few, few_again)
+    scale = ref64.abs().max().item()
+    assert (first.double() - few.double()).abs().max().item() <= 2e-2 * scale
 
 
 @requires_twell_kernels
 def test_agrees_with_the_row_by_row_kernel():
-    # The chunked kernel sums a piece's entries in its shared-memory bank order and the up projection in
+    # The chunked kernel sums a piece's entries in its planned load order and the up projection in
     # slices, so the two kernels agree to rounding, not bit for bit.
     problem = make_problem(2048, 2048, 5632, nnz_per_row=24.0, bias=True)
     chunked, ref64, _ = _run_chunked(problem, True)
