@@ -372,8 +372,7 @@ DecodeGemvArgs check_operands(const at::Tensor& a, const at::Tensor& b, const c1
   const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
   TORCH_CHECK(b.size(1) == K && K > 0, "twell: A [M, K] and B [N, K] disagree");
   TORCH_CHECK(M <= kMaxRows, "twell: the decode GEMV takes at most 64 rows");
-  TORCH_CHECK(K % 8 == 0 && reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0 &&
-                  reinterpret_cast<uintptr_t>(b.data_ptr()) % 16 == 0,
+  TORCH_CHECK(K % 8 == 0 && aligned16(a.data_ptr()) && aligned16(b.data_ptr()),
               "twell: the decode GEMV needs 16-byte aligned rows (K % 8 == 0)");
   TORCH_CHECK(N < (int64_t{1} << 31) && K < (int64_t{1} << 31) && N * K < (int64_t{1} << 62), "twell: sizes past 2^31");
   TORCH_CHECK(c.sizes() == at::IntArrayRef({M, N}) && c.is_contiguous(), "twell: C must be a contiguous [M, N] tensor");

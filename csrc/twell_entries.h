@@ -71,10 +71,12 @@ void rebuild_dense_gate(const at::Tensor& packed, const at::Tensor& counts, at::
 
 // Rows that TMA (the wgmma GEMMs) and 16-byte vector loads (the GEMVs) can read: a 2-D tensor with unit
 // column stride, its base and row stride 16-byte aligned.
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) % 16) == 0; }
 inline bool tma_compatible(const at::Tensor& t) {
-  return t.dim() == 2 && t.stride(1) == 1 && (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16) == 0 &&
-         (t.stride(0) * t.element_size()) % 16 == 0;
+  return t.dim() == 2 && t.stride(1) == 1 && aligned16(t.data_ptr()) && (t.stride(0) * t.element_size()) % 16 == 0;
 }
+// The same, contiguous (the GEMVs, and the kernels that copy whole rows 16 bytes at a time).
+inline bool aligned_rows(const at::Tensor& t) { return tma_compatible(t) && t.is_contiguous(); }
 
 constexpr int kMaxKSplits = 16;
 // The fewest K-slices an automatic split leaves a range. Below it the split stopped paying (H100, 2B

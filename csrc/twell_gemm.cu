@@ -908,7 +908,7 @@ void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optio
     args.packed = reinterpret_cast<uint32_t*>(gate_packed->data_ptr<int>());
     args.counts = gate_counts->data_ptr<int>();
     args.cap = static_cast<int>(gate_packed->size(2));
-    args.slots_vec8 = args.cap >= 8 && args.cap % 4 == 0 && reinterpret_cast<uintptr_t>(args.packed) % 16 == 0;
+    args.slots_vec8 = args.cap >= 8 && args.cap % 4 == 0 && aligned16(args.packed);
     dispatch<Epilogue::kGateTimesUp>(a, b, args, ctas, cluster, tile_m, k_splits, split_arrivals);
   } else {
     dispatch<Epilogue::kStore>(a, b, args, ctas, cluster, tile_m, k_splits, split_arrivals);

@@ -89,10 +89,6 @@ __global__ void __launch_bounds__(kThreads) scatter_heavy_rows_kernel(const int*
                reinterpret_cast<uint4*>(out + static_cast<int64_t>(heavy_rows[i]) * D), D / 8);
 }
 
-bool rows16(const at::Tensor& t) {
-  return t.dim() == 2 && t.is_contiguous() && t.size(1) % 8 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-}
-
 }  // namespace
 
 void heavy_rows_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed, const at::Tensor& counts,
@@ -104,7 +100,7 @@ void heavy_rows_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& pa
   TORCH_CHECK(!gated || x.has_value(), "twell: the gated heavy-row path needs x");
   TORCH_CHECK(ctas >= 1, "twell: ctas must be positive");
   const int64_t M = out.size(0), D = out.size(1), F = dense.size(1);
-  TORCH_CHECK(out.is_cuda() && rows16(out) && rows16(dense) && dense.size(0) == M &&
+  TORCH_CHECK(out.is_cuda() && aligned_rows(out) && aligned_rows(dense) && dense.size(0) == M &&
                   dense.scalar_type() == out.scalar_type() &&
                   (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf),
               "twell: out [M, D] and dense [M, F] must be contiguous bfloat16/float16 matrices with 16-byte rows");
@@ -119,7 +115,7 @@ void heavy_rows_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& pa
               "twell: heavy_rows must be int32 [capacity <= M] and heavy_count int32 [1] on out's device");
   TORCH_CHECK(w_down.size(0) == D && w_down.size(1) == F, "twell: w_down must be [D, F]");
   if (gated) {
-    TORCH_CHECK(rows16(*x) && x->size(0) == M && x->scalar_type() == out.scalar_type() && w_up->size(0) == F &&
+    TORCH_CHECK(aligned_rows(*x) && x->size(0) == M && x->scalar_type() == out.scalar_type() && w_up->size(0) == F &&
                     w_up->size(1) == x->size(1),
                 "twell: x [M, K] (contiguous, 16-byte rows, out's dtype) and w_up [F, K] must agree");
   }

@@ -18,9 +18,6 @@
 namespace twell {
 namespace {
 
-// The GEMVs also need contiguous operands.
-bool aligned_rows(const at::Tensor& t) { return tma_compatible(t) && t.is_contiguous(); }
-
 bool contiguous_or_absent(const c10::optional<at::Tensor>& t) { return !t.has_value() || t->is_contiguous(); }
 
 // Arrival counters the wgmma GEMM of C [M, N] over a reduction of length K needs: one per output tile

@@ -620,7 +620,6 @@ const T* data_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? reinterpret_cast<const T*>(t->data_ptr()) : nullptr;
 }
 
-bool aligned16(const at::Tensor& t) { return (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15u) == 0; }
 
 template <typename T>
 void run_chunked(const c10::optional<at::Tensor>& x, const at::Tensor& packed, const at::Tensor& counts,
@@ -728,14 +727,14 @@ void chunked_sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor
                   counters.device() == out.device() && counters.is_contiguous() && counters.numel() == 2,
               "twell: heavy_rows must be int32 [chunked_heavy_capacity(M, thr_heavy)] and counters int32 [2]");
   if (gated) {
-    TORCH_CHECK(x->is_contiguous() && x->size(0) == M && aligned16(*x) && x->scalar_type() == out.scalar_type(),
+    TORCH_CHECK(x->is_contiguous() && x->size(0) == M && aligned16(x->data_ptr()) && x->scalar_type() == out.scalar_type(),
                 "twell: x must be contiguous, 16-byte aligned, in out's dtype");
     TORCH_CHECK(w_up_sliced->dim() == 3 && w_up_sliced->is_contiguous() && w_up_sliced->size(0) * kSlice == x->size(1) &&
                     w_up_sliced->size(1) == F && w_up_sliced->size(2) == kSlice,
                 "twell: w_up_sliced must be [K / 8, F, 8]");
   }
-  TORCH_CHECK(aligned16(out) && aligned16(w_down_sliced) && (!gated || aligned16(*w_up_sliced)) &&
-                  (!b_down.has_value() || (b_down->is_contiguous() && aligned16(*b_down))),
+  TORCH_CHECK(aligned16(out.data_ptr()) && aligned16(w_down_sliced.data_ptr()) && (!gated || aligned16(w_up_sliced->data_ptr())) &&
+                  (!b_down.has_value() || (b_down->is_contiguous() && aligned16(b_down->data_ptr()))),
               "twell: the chunked kernel's operands must be 16-byte aligned");
   TORCH_CHECK(chunked_sparse_fits(gated ? x->size(1) : 0, F, D, out.element_size(), gated),
               "twell: this shape does not fit the chunked sparse kernel (F = ", F, ")");

@@ -276,7 +276,6 @@ const T* ptr_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? reinterpret_cast<const T*>(t->data_ptr()) : nullptr;
 }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 template <typename T, int VEC, int NV, bool GATED, int kThreads, bool kEntrySplit>
 void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& counts,
