@@ -13,11 +13,14 @@ INT_MAX = 2**31 - 1
 
 def test_dense_thresholds_large_and_decode_calls():
     f = 5632
-    # 5000 rows: 39 full blocks and a last block of 8 rows, at 1.5% of their units.
-    assert twell_mlp._dense_thresholds(5000, f, entry_split=False) == (int(128 * f * 0.015), int(8 * f * 0.015), 16)
-    # 129 to 4096 rows (one wave of sparse-kernel CTAs, stragglers set the time): half that density.
+    # 5000 rows: 39 full blocks and a last block of 8 rows, at 1.1% of their units (62 of 5632 per row).
+    assert twell_mlp._dense_thresholds(5000, f, entry_split=False) == (int(128 * f * 0.011), int(8 * f * 0.011), 16)
+    assert int(128 * f * 0.011) // 128 == 61
+    # 129 to 4096 rows (one wave of sparse-kernel CTAs, stragglers set the time): 0.68 of that, 0.75%.
+    small = 0.011 * 0.68
     for m, last in ((1000, 104), (4096, 128), (129, 1)):
-        assert twell_mlp._dense_thresholds(m, f, entry_split=False) == (int(128 * f * 0.0075), int(last * f * 0.0075), 16)
+        assert twell_mlp._dense_thresholds(m, f, entry_split=False) == (int(128 * f * small), int(last * f * small), 16)
+    assert int(128 * f * small) // 128 == 42
     # Decode with the clustered sparse kernel: 5% of the (single, partial) block; heavy rows still count.
     assert twell_mlp._dense_thresholds(40, f, entry_split=True) == (int(128 * f * 0.05), int(40 * f * 0.05), 16)
     # Clustered past decode sizes too (the dense path is the wgmma GEMMs there, but the crossover is alike).

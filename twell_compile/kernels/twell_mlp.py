@@ -47,19 +47,23 @@ _MAX_PLANS = 4096
 
 @dataclasses.dataclass
 class KernelConfig:
-    dense_block_density: float = float(os.environ.get("TWELL_DENSE_BLOCK_DENSITY", "0.015"))
-    """A 128-row block whose fraction of active units exceeds this runs the dense GEMM path (1.5%, about
-    84 of 5632: where the forced-sparse and forced-dense paths crossed on an H200 at the 2B shape,
-    M = 131072: 16.4 against 16.9 ms at 81 active units per row)."""
-    small_batch_density_factor: float = float(os.environ.get("TWELL_SMALL_BATCH_DENSITY_FACTOR", "0.5"))
-    """Calls of 129 to ``SMALL_BATCH_ROWS`` rows scale ``dense_block_density`` by this (1.5% to 0.75%).
+    dense_block_density: float = float(os.environ.get("TWELL_DENSE_BLOCK_DENSITY", "0.011"))
+    """A 128-row block whose fraction of active units exceeds this runs the dense GEMM path (1.1%, about
+    62 of 5632). Where the forced-sparse and forced-dense paths crossed for the row-by-row sparse kernel
+    (H100, 2B shape, CUDA graphs, 2026-11-23, uniform): M = 8192, 901 against 896 us at 64 active units
+    per row, sparse ahead at 56 (838 against 896), dense at 80 (901 against 1063); M = 16384, 1760
+    against 1756 us at 64; M = 24576, 2622 against 2595 at 64 (examples/results/
+    sweep_threshold_h100_2026-11-23_mid.log). The 1.5% used before was measured on an H200 at M = 131072
+    and left 80 units per row at 0.80-0.93x dense on the H100 between 4096 and 32768 rows."""
+    small_batch_density_factor: float = float(os.environ.get("TWELL_SMALL_BATCH_DENSITY_FACTOR", "0.68"))
+    """Calls of 129 to ``SMALL_BATCH_ROWS`` rows scale ``dense_block_density`` by this (1.1% to 0.75%).
     There the sparse kernel runs about one wave of CTAs, so a block's heaviest rows set its time, and
     the near-threshold blocks of skewed activations were much slower sparse than dense (H100, CUDA
     graphs, 2B shape, skewed data with 70-95 active units per row: M = 256, 138.6 against 76.9 us;
     M = 1024, 214.4 against 150.3; M = 4096, 595.9 against 468.2). With uniform activations the
     forced paths crossed between 56 and 80 units per row (1.0-1.4%): at 80, M = 1024 took 191.3 us sparse
     and 150.7 dense; at 56, 155.6 and 150.0 (M = 4096: 432.2 and 465.5). 24-39 units per row are
-    untouched (examples/sweep_sparse_launch.py). Large calls keep 1.5%, measured at M = 131072."""
+    untouched (examples/sweep_sparse_launch.py). 0.68 keeps them at 0.75% (0.748%)."""
     chunked_dense_block_density: float = float(os.environ.get("TWELL_CHUNKED_DENSE_BLOCK_DENSITY", "0.018"))
     """dense_block_density for calls that run the chunked sparse kernel (``chunked_sparse_rows``), whose
     cost grows more slowly with the active units: there the forced paths crossed between 96 and 112
