@@ -1,7 +1,10 @@
 """The gate GEMM alone: its TwELL-pack epilogue against a plain store epilogue on the same mainloop, in
 each schedule, against cuBLAS's dense gate GEMM; same run, alternating rounds (the GPU's clock moves).
 
-    python examples/bench_gate_gemm.py [--m 131072 16384] [--rounds 2]
+    python examples/bench_gate_gemm.py [--m 131072 16384] [--rounds 2] [--bias]
+
+``--bias`` gives the gate a bias (as Hugging Face Llama with ``mlp_bias=True`` has), in cuBLAS's GEMM
+and in ours; small values, so the activation keeps its sparsity.
 
 "pack" is the gate as the op runs it (``gate_twell_gemm``); "store" is the dense-path GEMM with every
 block forced dense (``dense_block_gemm``), which writes the whole [M, N] product. GPU only.
@@ -25,10 +28,10 @@ from twell_compile.testing import cuda_time_ms, make_problem
 SCHEDULES = ((2, 128), (1, 128), (2, 256))  # (CTAs per cluster, tile rows)
 
 
-def cublas_kernel_names(x: torch.Tensor, w: torch.Tensor) -> list[str]:
+def cublas_kernel_names(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> list[str]:
     """The kernels cuBLAS runs for the dense gate (their names give its tile shape and cluster)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        F.linear(x, w)
+        F.linear(x, w, b)
         torch.cuda.synchronize()
     return sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
 
@@ -40,6 +43,7 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--launches", type=int, default=0, help="untimed launches for a profiler (see above)")
+    parser.add_argument("--bias", action="store_true", help="a gate bias, in every GEMM timed")
     args = parser.parse_args()
     k, f = args.hidden, args.intermediate
     ext = build.cuda_extension()
@@ -48,6 +52,7 @@ def main() -> None:
     for m in args.m:
         p = make_problem(m, k, f, nnz_per_row=24.0)
         x, w = p.x, p.gate_weight
+        b = (0.01 * torch.randn(f, device="cuda")).to(x.dtype) if args.bias else None
         n_tiles, n_blocks = -(-f // 128), -(-m // 128)
         packed = torch.empty((m, n_tiles, 8), dtype=torch.int32, device="cuda")
         counts = torch.empty((m, n_tiles), dtype=torch.int32, device="cuda")
@@ -57,21 +62,21 @@ def main() -> None:
 
         def pack(cluster, tile_m):
             block_nnz.zero_()
-            ext.gate_twell_gemm(x, w, None, packed, counts, dense, block_nnz, sms, cluster, tile_m)
+            ext.gate_twell_gemm(x, w, b, packed, counts, dense, block_nnz, sms, cluster, tile_m)
 
         def store(cluster, tile_m):
-            ext.dense_block_gemm(x, w, None, dense, all_dense, None, None, 0, 0, 0, sms, cluster, tile_m)
+            ext.dense_block_gemm(x, w, b, dense, all_dense, None, None, 0, 0, 0, sms, cluster, tile_m)
 
         if args.launches:
-            for run in (lambda: F.linear(x, w), lambda: pack(2, 128), lambda: store(2, 128)):
+            for run in (lambda: F.linear(x, w, b), lambda: pack(2, 128), lambda: store(2, 128)):
                 for _ in range(args.launches):
                     run()
             torch.cuda.synchronize()
             print(f"M={m}: {args.launches} launches each of cuBLAS, pack and store")
             continue
-        print(f"M={m} cuBLAS runs: {', '.join(cublas_kernel_names(x, w))}")
+        print(f"M={m}{' with bias' if args.bias else ''} cuBLAS runs: {', '.join(cublas_kernel_names(x, w, b))}")
         for r in range(args.rounds):
-            times = {"cuBLAS": cuda_time_ms(lambda: F.linear(x, w), 10)}
+            times = {"cuBLAS": cuda_time_ms(lambda: F.linear(x, w, b), 10)}
             for cluster, tile_m in SCHEDULES:
                 times[f"pack {cluster}x{tile_m}"] = cuda_time_ms(lambda: pack(cluster, tile_m), 10)
                 times[f"store {cluster}x{tile_m}"] = cuda_time_ms(lambda: store(cluster, tile_m), 10)

@@ -6,7 +6,10 @@ Sparsity is made paper-like by giving each gate projection a negative bias calib
 layer in one pass, so that about ``--nnz`` units per token are active; the measured nonzeros per
 row of every layer are printed beside the timings.
 
-    python examples/bench_model.py --batch 64 --seq 2048 --nnz 24
+    python examples/bench_model.py --batch 64 --seq 2048 --nnz 24 [--profile]
+
+``--profile`` also prints, for one forward pass of each, the GPU time per kernel name (the largest
+first) and how much of it the twell ops' kernels and the dense MLP's GEMMs take.
 """
 
 from __future__ import annotations
@@ -54,6 +57,29 @@ def calibrate_gate_bias(model, nnz: float, seq: int, device: str) -> None:
         h.remove()
 
 
+def kernel_times_ms(fn, top: int = 12) -> list[tuple[str, float, int]]:
+    """GPU time of one call of ``fn`` per kernel name, (name, ms, launches), the largest first."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time / 1000.0  # us -> ms
+            entry[1] += 1
+    ranked = sorted(((name, ms, n) for name, (ms, n) in totals.items()), key=lambda t: -t[1])
+    return ranked[:top] + ([("(all kernels)", sum(ms for ms, _ in totals.values()), sum(n for _, n in totals.values()))])
+
+
+def print_kernel_times(label: str, rows: list[tuple[str, float, int]]) -> None:
+    print(f"\n{label}: GPU time per kernel, one forward")
+    for name, ms, n in rows:
+        print(f"  {ms:9.2f} ms  {n:5d}x  {name[:110]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
@@ -61,6 +87,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=38)
     parser.add_argument("--nnz", type=float, default=24.0)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="GPU time per kernel of one forward of each")
     args = parser.parse_args()
 
     import twell_compile
@@ -80,6 +107,8 @@ def main() -> None:
         results["dense torch.compile"] = cuda_time_ms(lambda: dense(input_ids=ids, use_cache=False), args.reps, 2)
         ref = dense(input_ids=ids[:4], use_cache=False).last_hidden_state.float()
         print(f"dense compiled: {results['dense torch.compile']:.1f} ms", flush=True)
+        if args.profile:  # before the reset below, which would make dense compile again
+            print_kernel_times("dense torch.compile", kernel_times_ms(lambda: dense(input_ids=ids, use_cache=False)))
 
         torch._dynamo.reset()
         twell = torch.compile(model.model, backend="twell")
@@ -90,6 +119,9 @@ def main() -> None:
         with twell_compile.record_sparsity() as rec:
             twell(input_ids=ids, use_cache=False)
         calls = rec.calls()
+
+        if args.profile:
+            print_kernel_times("twell", kernel_times_ms(lambda: twell(input_ids=ids, use_cache=False)))
 
     print("\nper-layer sparsity (twell run):")
     print(rec.table())
