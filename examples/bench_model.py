@@ -8,8 +8,8 @@ row of every layer are printed beside the timings.
 
     python examples/bench_model.py --batch 64 --seq 2048 --nnz 24 [--profile]
 
-``--profile`` also prints, for one forward pass of each, the GPU time per kernel name (the largest
-first) and how much of it the twell ops' kernels and the dense MLP's GEMMs take.
+``--profile`` also prints, for one forward pass of each, the GPU time and launches per kernel name (the
+twelve largest) and the time of all kernels together.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def kernel_times_ms(fn, top: int = 12) -> list[tuple[str, float, int]]:
             entry[0] += event.device_time / 1000.0  # us -> ms
             entry[1] += 1
     ranked = sorted(((name, ms, n) for name, (ms, n) in totals.items()), key=lambda t: -t[1])
-    return ranked[:top] + ([("(all kernels)", sum(ms for ms, _ in totals.values()), sum(n for _, n in totals.values()))])
+    return ranked[:top] + [("(all kernels)", sum(ms for ms, _ in totals.values()), sum(n for _, n in totals.values()))]
 
 
 def print_kernel_times(label: str, rows: list[tuple[str, float, int]]) -> None:
