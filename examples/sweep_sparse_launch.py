@@ -101,7 +101,7 @@ def main() -> None:
                         help="columns/THREADS[/SPLITS] (SPLITS: the plan's own when left out), entries/CLUSTER, "
                              "path/sparse, path/dense (the plan's launch, every block forced onto one path), "
                              "heavy/TILES or density/FRACTION (the plan's launch, that dense-block threshold set; "
-                             "calls of 129-4096 rows scale the density by factor/F, default 0.5), "
+                             "calls of 129-4096 rows scale the density by factor/F, default 0.68), "
                              "ksplit/N (the wgmma GEMMs' K ranges per tile; 0 their own choice), chunked/R (the "
                              "chunked sparse kernel from R rows on; 0 never); join with +")
     args = parser.parse_args()
