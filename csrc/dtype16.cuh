@@ -30,6 +30,10 @@ struct Dtype16<__nv_bfloat16> {
     const __nv_bfloat162 p = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
     return *reinterpret_cast<const uint32_t*>(&p);
   }
+  // is_active of both values of a packed pair in one compare: 0xffff in each half that is (> 0 or NaN).
+  __device__ static uint32_t active_halves(uint32_t pair) {
+    return __hgtu2_mask(*reinterpret_cast<const __nv_bfloat162*>(&pair), __float2bfloat162_rn(0.f));
+  }
 };
 
 template <>
@@ -47,6 +51,9 @@ struct Dtype16<__half> {
   __device__ static uint32_t mul_pairs(uint32_t a, uint32_t b) {
     const __half2 p = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
     return *reinterpret_cast<const uint32_t*>(&p);
+  }
+  __device__ static uint32_t active_halves(uint32_t pair) {
+    return __hgtu2_mask(*reinterpret_cast<const __half2*>(&pair), __float2half2_rn(0.f));
   }
 };
 

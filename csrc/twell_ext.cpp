@@ -72,6 +72,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("gemv_cluster", &twell::MlpPlan::gemv_cluster)
       .def_readwrite("ctas", &twell::MlpPlan::ctas)
       .def_readwrite("gemm_cluster", &twell::MlpPlan::gemm_cluster)
+      .def_readwrite("gate_gemm_tile_m", &twell::MlpPlan::gate_gemm_tile_m)
       .def_readwrite("gemm_tile_m", &twell::MlpPlan::gemm_tile_m)
       .def_readwrite("down_gemm_tile_m", &twell::MlpPlan::down_gemm_tile_m)
       .def_readwrite("gemm_k_splits", &twell::MlpPlan::gemm_k_splits)

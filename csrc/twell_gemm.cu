@@ -16,20 +16,28 @@
 // The dense-path epilogues run only the tiles of 128-row blocks the device-side test marks dense; the
 // others are skipped without loading anything, so the host never needs to know which blocks they are.
 //
-// CTA = 3 warpgroups. Warpgroup 0 is the producer: one thread streams (A, B) K-slices into a ring of
-// shared-memory stages with TMA. Warpgroups 1 and 2 are consumers, each owning 128 output rows by 128
-// columns (two m64n128k16 wgmma chains), in one of two schedules:
+// CTA = 3 warpgroups (4 in the staged schedule, below). Warpgroup 0 is the producer: one thread streams
+// (A, B) K-slices into a ring of shared-memory stages with TMA. Warpgroups 1 and 2 are consumers, each
+// owning 128 output rows by 128 columns (two m64n128k16 wgmma chains), in one of three schedules:
 // * ping-pong (tile_m 128): the consumers take alternate 128 x 128 tiles; while one runs its epilogue,
 //   the other's MMAs run, so the epilogue hides behind the tensor cores. A consumer starts waiting for
 //   its tile's K-slices only once the other has received all of its own ("turn" barriers): the
 //   mainloops then run one after the other, and no consumer waits on a ring stage more than one phase
-//   ahead (mbarrier parity waits cannot tell phases two apart). The gate and gate-times-up GEMMs use it.
+//   ahead (mbarrier parity waits cannot tell phases two apart). The gate-times-up GEMM uses it, and the
+//   gate where the cooperative tiles are too few to fill the GPU.
 // * cooperative (tile_m 256): both consumers work on one 256 x 128 tile (rows 0-127 and 128-255), so
 //   the B slice serves twice the rows and the L2 traffic per output falls, but the epilogue is exposed.
 //   It pays where the mainloop is long beside the epilogue: the dense-path down projection (K = the
 //   intermediate size; H200, 2B shape: 4.0-4.1 against 4.4-4.5 ms), not the gate (5.0 against 4.7 ms).
 //   On the dense path a 256-row tile runs if either of its blocks is dense; a consumer whose block is
 //   sparse (or past the end) only receives and releases the stages, without MMAs.
+// * cooperative, staged (the gate's default, the pack epilogue only): as cooperative, but the consumers
+//   only add the bias and round the tile into shared memory (stage_tile), then go on to the next tile's
+//   MMAs, while a fourth warpgroup packs the staged tile (pack_staged): the epilogue no longer leaves
+//   the tensor cores idle. The staged tile (68 KB) leaves room for 3 ring stages. H100, 2B gate at
+//   M = 131072 with a bias: 4.75-5.02 ms against 5.22-5.84 ms for ping-pong pairs, cuBLAS 4.2-4.35 ms;
+//   the same kernel with the packing skipped ran at cuBLAS's pace (4.0-4.4 ms), so the packer is what
+//   is left between them. Its first form (a warp per row) could not keep up with the MMAs (5.7-6.0 ms).
 // The dense-path kernels read the per-block test once per CTA into a shared bitmap, and a CTA exits at
 // once when no block is dense.
 //
@@ -73,31 +81,49 @@ constexpr int kBlockM = kDecisionRows;  // one consumer's rows: they lie in exac
 constexpr int kBlockN = 128;  // = the TwELL tile
 constexpr int kBlockK = 64;   // 64 x 2 bytes = one 128-byte swizzle row
 static_assert(kBlockM == kGemmTile && kBlockN == kGemmTile && kBlockK == kGemmSliceK, "twell_entries.h's K split");
-constexpr int kThreads = 384;
 constexpr int kRingBytes = 192 * 1024;
 constexpr int kMaxStages = 6;
 constexpr int kBitmapBlocks = 65536;  // dense-block bitmap: 8 KB of shared memory
 constexpr int kBarrierBytes = (2 * kMaxStages + 2) * 8;
-constexpr int kSmemBytes = kRingBytes + 1024 /* alignment */ + kBarrierBytes + kBitmapBlocks / 8;
-static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 
-// The two schedules (see the file comment): ping-pong, 128 x 128 tiles that the consumers take in turn;
+enum class Epilogue { kTwellPack, kGateTimesUp, kStore };
+
+// The schedules (see the file comment): ping-pong, 128 x 128 tiles that the consumers take in turn;
 // cooperative, 256 x 128 tiles that both consumers share (rows 0-127 and 128-255), half the A traffic
-// per output again at the price of an epilogue the tensor cores wait for.
-template <int kTileM>
+// per output again at the price of an epilogue the tensor cores wait for. The pack epilogue in the
+// cooperative schedule is staged: the consumers round the tile into shared memory and go on to the
+// next tile's MMAs while a fourth warpgroup packs it (pack_staged), so the epilogue is not
+// exposed; the ring then has 3 stages, to leave room for the staged tile.
+template <Epilogue kMode, int kTileM>
 struct Schedule {
   static_assert(kTileM == 128 || kTileM == 256, "ping-pong or cooperative");
   static constexpr bool kCoop = kTileM == 256;
+  static constexpr bool kStaged = kCoop && kMode == Epilogue::kTwellPack;
+  static constexpr int kThreads = kStaged ? 512 : 384;
   static constexpr int kBlocksPerTile = kTileM / kBlockM;
   static constexpr int kATileBytes = kTileM * kBlockK * 2;
   static constexpr int kBTileBytes = kBlockN * kBlockK * 2;
   static constexpr int kStageBytes = kATileBytes + kBTileBytes;
-  static constexpr int kStages = kRingBytes / kStageBytes;          // 6 or 4
+  static constexpr int kStages = kStaged ? 3 : kRingBytes / kStageBytes;  // 6, 4, or 3 (staged)
+  static constexpr int kStageRingBytes = kStages * kStageBytes;
+  // A staged row: 128 16-bit values and 16 bytes of padding, so that the 8 rows a consumer warp writes
+  // at once fall in different banks.
+  static constexpr int kStagedRowBytes = kBlockN * 2 + 16;
+  static constexpr int kStagedBytes = kStaged ? kTileM * kStagedRowBytes : 0;
   static constexpr int kReleasingWarps = kCoop ? 8 : 4;            // consumer warps that read each stage
-  static_assert(kStages <= kMaxStages && kStages * kStageBytes == kRingBytes, "ring");
+  static constexpr int kSmemBytes =
+      kStageRingBytes + kStagedBytes + 1024 /* alignment */ + kBarrierBytes + kBitmapBlocks / 8;
+  static_assert(kStages <= kMaxStages && kStageRingBytes <= kRingBytes, "ring");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers
+// Staged schedule: 128 x (40 + 72 + 2 x 200) = 64K registers (the packer spilled at 56).
+constexpr int kStagedPackerRegs = 72;
+constexpr int kStagedConsumerRegs = 200;
+// Named barriers of the staged schedule (1 and 2 are the K split's).
+constexpr uint32_t kStagedFullBarrier = 3;  // the consumers have staged a tile
+constexpr uint32_t kStagedFreeBarrier = 4;  // the packer is done reading it
+constexpr int kConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers (ping-pong, cooperative)
 
 // Grouped tile order: CTAs running at the same time share x row-blocks and W column-blocks in L2.
 __device__ __forceinline__ void tile_coords(int tile, int n_tiles_m, int n_tiles_n, int group_m, int& pm, int& pn) {
@@ -149,8 +175,6 @@ __device__ __forceinline__ void fence_operands(float (&acc)[64]) {
   for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
-enum class Epilogue { kTwellPack, kGateTimesUp, kStore };
-
 struct EpilogueArgs {
   const void* bias;  // [N] or null
   void* c;           // [M, N]: the overflow backup (pack), g in / h out (gate times up), out (store)
@@ -192,7 +216,7 @@ __device__ __forceinline__ int fill_block_bits(const DenseBlockTest& test, uint3
   if (test.n_blocks > kBitmapBlocks) return 1;
   const int lane = threadIdx.x % 32;
   int any = 0;
-  for (int base = static_cast<int>(threadIdx.x / 32) * 32; base < test.n_blocks; base += kThreads) {
+  for (int base = static_cast<int>(threadIdx.x / 32) * 32; base < test.n_blocks; base += static_cast<int>(blockDim.x)) {
     const bool dense = base + lane < test.n_blocks && test(base + lane);
     const uint32_t word = __ballot_sync(0xffffffffu, dense);
     if (lane == 0) bits[base / 32] = word;
@@ -440,13 +464,15 @@ struct Smem {
   uint64_t* empty;  // [kStages] the consuming warpgroup is done with the stage
   uint64_t* turn;   // [2] turn[c]: the other consumer has received its tile's last K-slice
   uint32_t* bits;   // dense-block bitmap
+  uint8_t* staged;  // staged schedule: the tile the packer warpgroup packs, [kTileM][kStagedRowBytes]
 };
 
 template <Epilogue kMode, int kCluster, int kTileM>
 __device__ __forceinline__ bool setup(uint8_t* smem_raw, const EpilogueArgs& args, Smem& sm, BlockFilter& filter) {
   sm.stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  using S = Schedule<kTileM>;
-  sm.full = reinterpret_cast<uint64_t*>(sm.stages + kRingBytes);
+  using S = Schedule<kMode, kTileM>;
+  sm.staged = sm.stages + S::kStageRingBytes;
+  sm.full = reinterpret_cast<uint64_t*>(sm.staged + S::kStagedBytes);
   sm.empty = sm.full + S::kStages;
   sm.turn = sm.empty + S::kStages;
   sm.bits = reinterpret_cast<uint32_t*>(sm.turn + 2);
@@ -481,7 +507,7 @@ __device__ __forceinline__ bool setup(uint8_t* smem_raw, const EpilogueArgs& arg
 template <Epilogue kMode, int kCluster, int kTileM>
 __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map, const Smem& sm,
                                         const BlockFilter& filter, int rows, const TileWalk<kCluster>& walk) {
-  using S = Schedule<kTileM>;
+  using S = Schedule<kMode, kTileM>;
   ptx::setmaxnreg_dec<kProducerRegs>();
   if (threadIdx.x != 0) return;
   ptx::prefetch_tensor_map(a_map);
@@ -568,13 +594,157 @@ __device__ __forceinline__ bool sum_split_partials(float (&acc_top)[64], float (
   return true;
 }
 
+// Staged schedule, a consumer's side of its j-th tile: waits until the packer has read tile j - 1, then
+// rounds its 128 rows (+ bias) to 16 bits into the staged tile, exactly as pack_rows rounds them, unless
+// `write` is false (rows past the end, or a pair's column tile past the last: the packer skips those),
+// and tells the packer the tile is there.
+template <typename T>
+__device__ __forceinline__ void stage_tile(const float (&acc_top)[64], const float (&acc_bottom)[64], bool write, int j,
+                                           int tile_row0, int tile, int warp, int lane, const EpilogueArgs& args,
+                                           const Smem& sm) {
+  using S = Schedule<Epilogue::kTwellPack, 256>;
+  constexpr uint32_t kHandOff = 3 * 128;  // both consumer warpgroups and the packer
+  if (j > 0) ptx::named_barrier_sync(kStagedFreeBarrier, kHandOff);
+  if (write) {
+    const int lq = lane & 3;
+    const int cols_left = args.N - tile * kBlockN;
+    // This thread's columns 8 q + 2 lq + {0, 1}: their bias, loaded once for its four rows.
+    float bias_lo[16], bias_hi[16];
+    if (args.bias != nullptr) {
+      const T* bias = static_cast<const T*>(args.bias) + tile * kBlockN;
+#pragma unroll
+      for (int q = 0; q < 16; ++q) {
+        const int col = q * 8 + lq * 2;
+        bias_lo[q] = col < cols_left ? Dtype16<T>::to_float(bias[col]) : 0.f;
+        bias_hi[q] = col + 1 < cols_left ? Dtype16<T>::to_float(bias[col + 1]) : 0.f;
+      }
+    }
+    const uint32_t base =
+        ptx::smem_addr(sm.staged) + (tile_row0 + warp * 16 + lane / 4) * S::kStagedRowBytes + lq * 4;
+#pragma unroll
+    for (int chain = 0; chain < 2; ++chain) {
+      const float(&acc)[64] = chain == 0 ? acc_top : acc_bottom;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t row = base + (64 * chain + 8 * half) * S::kStagedRowBytes;
+#pragma unroll
+        for (int q = 0; q < 16; ++q) {
+          float lo = acc[4 * q + 2 * half], hi = acc[4 * q + 2 * half + 1];
+          if (args.bias != nullptr) lo += bias_lo[q], hi += bias_hi[q];
+          ptx::st_shared_u32(row + q * 16, Dtype16<T>::pair_bits(lo, hi));
+        }
+      }
+    }
+  }
+  ptx::named_barrier_arrive(kStagedFullBarrier, kHandOff);
+}
+
+// Staged schedule: the fourth warpgroup packs each 256 x 128 tile the consumers staged, a thread per row
+// (rows t and 128 + t), while they run the next tile's MMAs: the same counts, slots, backup rows and
+// block totals as pack_rows, in pack_rows's slot order (a quad lane's columns 8 q + 2 lq + {0, 1} in
+// column order, the quad's lanes in turn), so every schedule writes the same slots. A row's active
+// units go into one mask per quad lane lq: bit q for column 8 q + 2 lq, bit 16 + q for the column after
+// it; one packed compare tests two columns. (A warp per row, the tile's columns across the lanes,
+// issued about ten times the instructions and could not keep up with the MMAs.)
+template <typename T, int kCluster>
+__device__ __forceinline__ void pack_staged(const EpilogueArgs& args, const Smem& sm, const TileWalk<kCluster>& walk) {
+  using S = Schedule<Epilogue::kTwellPack, 256>;
+  constexpr uint32_t kHandOff = 3 * 128;
+  ptx::setmaxnreg_dec<kStagedPackerRegs>();
+  const int t = static_cast<int>(threadIdx.x) - 3 * 128, lane = t % 32;
+  const int n_blocks = (args.M + kBlockM - 1) / kBlockM;
+  const uint32_t staged = ptx::smem_addr(sm.staged);
+  // Backup rows as 16-byte copies where every tile row starts 16-byte aligned.
+  const bool vec_backup = args.N % 8 == 0 && (reinterpret_cast<uintptr_t>(args.c) & 15u) == 0;
+  for (int unit = walk.first; unit < walk.n_units(); unit += walk.stride) {
+    int pm, pn, split;
+    walk.coords(unit, pm, pn, split);
+    ptx::named_barrier_sync(kStagedFullBarrier, kHandOff);
+    if (walk.real(pn)) {
+      const int cols_left = args.N - pn * kBlockN;
+      // The mask bits of columns that exist (past N the staged values are not to be trusted: x may hold
+      // infinities, and inf * 0 is NaN).
+      uint32_t valid[4];
+#pragma unroll
+      for (int lq = 0; lq < 4; ++lq) {
+        valid[lq] = 0xffffffffu;
+        if (cols_left < kBlockN) {
+          valid[lq] = 0u;
+          for (int q = 0; q < 16; ++q) {
+            const int col = 8 * q + 2 * lq;
+            valid[lq] |= (col < cols_left ? 1u << q : 0u) | (col + 1 < cols_left ? 1u << (16 + q) : 0u);
+          }
+        }
+      }
+#pragma unroll 1
+      for (int half = 0; half < 2; ++half) {  // the tile's two decision blocks
+        const int r = half * kBlockM + t;
+        const int row = pm * 256 + r;
+        int total = 0;
+        if (row < args.M) {
+          const uint32_t base = staged + r * S::kStagedRowBytes;
+          uint32_t mask[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+          for (int q = 0; q < 16; ++q) {  // columns 8 q .. 8 q + 7: one pair per quad lane
+            const uint4 v = ptx::ld_shared_v4(base + 16 * q);
+            const uint32_t pairs[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int lq = 0; lq < 4; ++lq) mask[lq] += (Dtype16<T>::active_halves(pairs[lq]) & 0x10001u) << q;
+          }
+#pragma unroll
+          for (int lq = 0; lq < 4; ++lq) {
+            mask[lq] &= valid[lq];
+            total += __popc(mask[lq]);
+          }
+          const int64_t row_tile = static_cast<int64_t>(row) * args.n_tiles_n + pn;
+          args.counts[row_tile] = total;
+          if (total <= args.cap) {
+            uint32_t* slots = args.packed + row_tile * args.cap;
+            int at = 0;
+#pragma unroll
+            for (int lq = 0; lq < 4; ++lq) {
+              uint32_t left = mask[lq];
+              while (left != 0u) {  // the lowest column first
+                const int q = __ffs((left | (left >> 16)) & 0xffffu) - 1;
+                const int odd = ((left >> q) & 1u) ^ 1u;
+                left &= ~(1u << (q + 16 * odd));
+                const int col = 8 * q + 2 * lq + odd;
+                slots[at++] = (ptx::ld_shared_u16(base + 2 * col) << 16) | static_cast<uint32_t>(col);
+              }
+            }
+          } else {  // rare: the row's whole tile (pre-activation, rounded) goes to the backup
+            uint16_t* dense_row = static_cast<uint16_t*>(args.c) + static_cast<int64_t>(row) * args.N +
+                                  static_cast<int64_t>(pn) * kBlockN;
+            const int width = min(cols_left, kBlockN);
+            if (vec_backup) {  // (width is a multiple of 8 then)
+              for (int c = 0; c < width; c += 8)
+                *reinterpret_cast<uint4*>(dense_row + c) = ptx::ld_shared_v4(base + 2 * c);
+            } else {
+              for (int c = 0; c < width; ++c) dense_row[c] = static_cast<uint16_t>(ptx::ld_shared_u16(base + 2 * c));
+            }
+          }
+        }
+        // Per block, one atomic per warp and counter.
+        const int nnz = static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(total)));
+        const int overflowed = static_cast<int>(__reduce_add_sync(0xffffffffu, total > args.cap ? 1u : 0u));
+        const int block = pm * 2 + half;
+        if (lane == 0 && nnz) atomicAdd(&args.block_nnz[block], nnz);
+        if (lane == 0 && overflowed) atomicAdd(&args.block_nnz[n_blocks + block], overflowed);
+      }
+    }
+    // The last tile's hand-off back has no taker.
+    if (unit + walk.stride < walk.n_units()) ptx::named_barrier_arrive(kStagedFreeBarrier, kHandOff);
+  }
+}
+
 // Consumer warpgroups, mainloop then epilogue per tile (see the file comment). Ping-pong: the consumers
-// take alternate kept tiles, all 128 rows each. Cooperative: both take every tile, 128 rows each.
+// take alternate kept tiles, all 128 rows each. Cooperative: both take every tile, 128 rows each
+// (staged: the epilogue is stage_tile, the packer warpgroup's pack_staged the rest).
 template <typename T, Epilogue kMode, int kCluster, int kTileM>
 __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm, const BlockFilter& filter,
                                         const TileWalk<kCluster>& walk) {
-  using S = Schedule<kTileM>;
-  ptx::setmaxnreg_inc<kConsumerRegs>();
+  using S = Schedule<kMode, kTileM>;
+  ptx::setmaxnreg_inc<S::kStaged ? kStagedConsumerRegs : kConsumerRegs>();
   const int consumer = static_cast<int>(threadIdx.x) / 128 - 1;
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
   // This consumer's rows within a tile, and their offset in the stage's A slice (128 bytes per row).
@@ -615,6 +785,7 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
           ptx::mbarrier_wait(&sm.full[stage], (it / S::kStages) & 1);
           if (lane == 0) release_stage<kCluster>(sm, stage, walk.rank);
         }
+        if constexpr (S::kStaged) stage_tile<T>(acc_top, acc_bottom, false, j, tile_row0, pn, warp, lane, args, sm);
         continue;
       }
     }
@@ -656,6 +827,10 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
     fence_operands(acc_top);
     fence_operands(acc_bottom);
     if (lane == 0) release_stage<kCluster>(sm, prev_stage, walk.rank);
+    if constexpr (S::kStaged) {  // the packer warpgroup does the rest
+      stage_tile<T>(acc_top, acc_bottom, walk.real(pn), j, tile_row0, pn, warp, lane, args, sm);
+      continue;
+    }
     if (!walk.real(pn)) continue;
     if constexpr (!S::kCoop) {  // (K is split only in ping-pong: dispatch)
       if (walk.splits > 1 &&
@@ -687,7 +862,7 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
 
 // See the file comment.
 template <typename T, Epilogue kMode, int kCluster, int kTileM>
-__global__ void __launch_bounds__(kThreads, 1) twell_gemm_kernel(
+__global__ void __launch_bounds__(Schedule<kMode, kTileM>::kThreads, 1) twell_gemm_kernel(
     const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map, EpilogueArgs args,
     int K, int n_tiles_m, int n_tiles_n, int group_m) {
   static_assert(kCluster == 1 || kCluster == 2, "single CTAs or pairs");
@@ -699,8 +874,10 @@ __global__ void __launch_bounds__(kThreads, 1) twell_gemm_kernel(
   const TileWalk<kCluster> walk(n_tiles_m, n_tiles_n, group_m, args.k_splits, args.split_steps, k_steps);
   if (threadIdx.x < 128) {
     produce<kMode, kCluster, kTileM>(&a_map, &b_map, sm, filter, args.M, walk);
-  } else {
+  } else if (threadIdx.x < 3 * 128) {
     consume<T, kMode, kCluster, kTileM>(args, sm, filter, walk);
+  } else {
+    if constexpr (Schedule<kMode, kTileM>::kStaged) pack_staged<T, kCluster>(args, sm, walk);
   }
   // The peer may still multicast into this CTA's stages or arrive on its barriers: leave together.
   if constexpr (kCluster > 1) ptx::cluster_sync();
@@ -746,7 +923,9 @@ void launch(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs& args, 
   const int64_t units = cluster_units(n_tiles_m, args.n_tiles_n, kCluster) * args.k_splits;
   constexpr int kGroupM = 8;
   int clusters = std::max(ctas / kCluster, 1);
-  KernelLaunch kernel_launch(kernel, dim3(static_cast<unsigned>(clusters * kCluster)), kThreads, kSmemBytes, kCluster);
+  using S = Schedule<kMode, kTileM>;
+  KernelLaunch kernel_launch(kernel, dim3(static_cast<unsigned>(clusters * kCluster)), S::kThreads, S::kSmemBytes,
+                             kCluster);
   if constexpr (kCluster > 1) {
     // A persistent grid larger than what can be resident would leave clusters waiting for others.
     const int resident = kernel_launch.resident_clusters();

@@ -6,8 +6,10 @@ each schedule, against cuBLAS's dense gate GEMM; same run, alternating rounds (t
 ``--bias`` gives the gate a bias (as Hugging Face Llama with ``mlp_bias=True`` has), in cuBLAS's GEMM
 and in ours; small values, so the activation keeps its sparsity.
 
-"pack" is the gate as the op runs it (``gate_twell_gemm``); "store" is the dense-path GEMM with every
-block forced dense (``dense_block_gemm``), which writes the whole [M, N] product. GPU only.
+"pack" is the gate as the op runs it (``gate_twell_gemm``; its default schedule is 2x256: CTA pairs of
+cooperative 256-row tiles, the packing epilogue staged through shared memory); "store" is the
+dense-path GEMM with every block forced dense (``dense_block_gemm``), which writes the whole [M, N]
+product (2x256 there: cooperative tiles with the epilogue in the consumers). GPU only.
 
 ``--launches N`` only launches cuBLAS, then pack and store in CTA pairs, N times each, untimed, for
 Nsight Compute, e.g. ``ncu --clock-control none --section SpeedOfLight -k regex:"gemm|nvjet"

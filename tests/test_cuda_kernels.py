@@ -235,7 +235,7 @@ def test_gemm_schedules_match_bitwise(gated, path):
     problem = make_problem(4126, 200, 2600, 1400, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0, 700))
     outs = {}
     for cluster, tile_m in ((1, 128), (2, 128), (1, 256), (2, 256)):
-        with kernel_config(gemm_cluster=cluster, gemm_tile_m=tile_m, down_gemm_tile_m=tile_m):
+        with kernel_config(gemm_cluster=cluster, gate_gemm_tile_m=tile_m, gemm_tile_m=tile_m, down_gemm_tile_m=tile_m):
             out, ref64, dense_same_dtype = _run(problem, gated, path)
         _check(out, ref64, dense_same_dtype, f"schedules gated={gated} path={path} cluster={cluster} tile_m={tile_m}")
         outs[cluster, tile_m] = out

@@ -92,12 +92,20 @@ class KernelConfig:
     gemm_cluster: int = int(os.environ.get("TWELL_GEMM_CLUSTER", "2"))
     """2: the wgmma GEMMs run in 2-CTA clusters that share each x (or h) tile by TMA multicast (half the
     L2 traffic for it) where there are enough tile pairs; 1: single CTAs (for comparison)."""
+    gate_gemm_tile_m: int = int(os.environ.get("TWELL_GATE_GEMM_TILE_M", "256"))
+    """The gate GEMM's schedule. 256: cooperative 256 x 128 tiles (both consumer warpgroups on one tile,
+    a third of the L2 traffic per output off ping-pong's) with a staged epilogue: the consumers round
+    the tile into shared memory and a fourth warpgroup packs it while they run the next tile's MMAs
+    (csrc/twell_gemm.cu), where its tiles fill the GPU, else ping-pong; 128: ping-pong (128 x 128 tiles,
+    each consumer warpgroup's epilogue hidden behind the other's MMAs). H100, 2B shape, M = 131072, with
+    a bias, alternating rounds: 4.75-5.02 ms against 5.22-5.84 ms for ping-pong pairs, cuBLAS's dense
+    GEMM 4.2-4.35 ms (examples/results/probe_staged_gate_h100_2026-11-23.log; a noisier
+    bench_gate_gemm.py run: bench_gate_gemm_h100_2026-11-23_staged.log)."""
     gemm_tile_m: int = int(os.environ.get("TWELL_GEMM_TILE_M", "128"))
-    """The gate and gate-times-up GEMMs' schedule. 128: ping-pong (128 x 128 tiles, each consumer
+    """The gate-times-up GEMM's schedule (dense path). 128: ping-pong (128 x 128 tiles, each consumer
     warpgroup's epilogue hidden behind the other's MMAs); 256: cooperative (256 x 128 tiles, both
     consumers on one tile: less L2 traffic per output, but the epilogue is exposed) where its tiles
-    fill the GPU. Ping-pong was faster for these two on an H200 (gate 4.7 against 5.0 ms, gate-times-up
-    5.0-5.1 against 5.5 ms at the 2B shape)."""
+    fill the GPU. Ping-pong was faster here on an H200 (5.0-5.1 against 5.5 ms at the 2B shape)."""
     down_gemm_tile_m: int = int(os.environ.get("TWELL_DOWN_GEMM_TILE_M", "256"))
     """The dense-path down GEMM's schedule (as gemm_tile_m). Its K is the intermediate size, so its
     mainloop is long beside its epilogue and the cooperative tiles pay (H200, 2B shape: 4.0-4.1 against
@@ -415,6 +423,7 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     cuda.decode_gate, cuda.decode_dense = _decode_gate(m), _decode_dense(m)
     cuda.gemv_cluster = config.decode_gemv_cluster
     cuda.ctas, cuda.gemm_cluster = sms, config.gemm_cluster
+    cuda.gate_gemm_tile_m = config.gate_gemm_tile_m
     cuda.gemm_tile_m, cuda.down_gemm_tile_m = config.gemm_tile_m, config.down_gemm_tile_m
     cuda.gemm_k_splits = config.gemm_k_splits
     cuda.sparse_splits, cuda.sparse_threads, cuda.sparse_cluster = launch.splits, launch.threads, launch.cluster
@@ -521,7 +530,7 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
                               config.decode_gemv_cluster)
     elif cuda_gate:
         ext.gate_twell_gemm(x2, act_weight, act_bias, packed, counts, dense, block_nnz, sms, config.gemm_cluster,
-                            config.gemm_tile_m, config.gemm_k_splits)
+                            config.gate_gemm_tile_m, config.gemm_k_splits)
     else:
         _triton_gate(plan, x2, act_weight, act_bias, packed, counts, dense, block_nnz, n_tiles)
 
