@@ -32,15 +32,15 @@
 //   On the dense path a 256-row tile runs if either of its blocks is dense; a consumer whose block is
 //   sparse (or past the end) only receives and releases the stages, without MMAs.
 // * cooperative, staged (the pack epilogue only; opt-in for the gate, TWELL_GATE_GEMM_TILE_M=256): as
-//   cooperative, but the consumers
-//   only add the bias and round the tile into shared memory (stage_tile), then go on to the next tile's
-//   MMAs, while a fourth warpgroup packs the staged tile (pack_staged): the epilogue no longer leaves
-//   the tensor cores idle. The staged tile (68 KB) leaves room for 3 ring stages. H100, 2B gate at
-//   M = 131072 with a bias: 4.75-5.02 ms against 5.22-5.84 ms for ping-pong pairs, cuBLAS 4.2-4.35 ms;
-//   the same kernel with the packing skipped ran at cuBLAS's pace (4.0-4.4 ms), so the packer is what
-//   is left between them. Its first form (a warp per row) could not keep up with the MMAs (5.7-6.0 ms).
-//   Exact in every test, but compute-sanitizer's racecheck reports hazards between stage_tile's writes
-//   and pack_staged's reads (H100, 2026-11-23), which the named-barrier hand-off below should order;
+//   cooperative, but the consumers only add the bias and round the tile into shared memory
+//   (stage_tile), then go on to the next tile's MMAs, while a fourth warpgroup packs the staged tile
+//   (pack_staged): the epilogue no longer leaves the tensor cores idle. The staged tile (68 KB) leaves
+//   room for 3 ring stages. H100, 2B gate at M = 131072 with a bias: 4.75-5.02 ms against 5.22-5.84 ms
+//   for ping-pong pairs, cuBLAS 4.2-4.35 ms; with staging and packing skipped the same kernel ran at
+//   cuBLAS's pace (4.0-4.4 ms), so they are what is left between them. The packer's first form (a warp
+//   per row) could not keep up with the MMAs (5.7-6.0 ms). Exact in every test, but compute-sanitizer's
+//   racecheck reports hazards between stage_tile's writes and pack_staged's reads (H100, 2026-11-23),
+//   which the named-barrier hand-off below should order;
 //   not resolved yet, hence not the default.
 // The dense-path kernels read the per-block test once per CTA into a shared bitmap, and a CTA exits at
 // once when no block is dense.
@@ -121,13 +121,15 @@ struct Schedule {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers (ping-pong, cooperative)
 // Staged schedule: 128 x (40 + 72 + 2 x 200) = 64K registers (the packer spilled at 56).
 constexpr int kStagedPackerRegs = 72;
 constexpr int kStagedConsumerRegs = 200;
-// Named barriers of the staged schedule (1 and 2 are the K split's).
+// Named barriers of the staged schedule (1 and 2 are the K split's), each between both consumer
+// warpgroups and the packer.
 constexpr uint32_t kStagedFullBarrier = 3;  // the consumers have staged a tile
 constexpr uint32_t kStagedFreeBarrier = 4;  // the packer is done reading it
-constexpr int kConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers (ping-pong, cooperative)
+constexpr uint32_t kStagedHandOffThreads = 3 * 128;
 
 // Grouped tile order: CTAs running at the same time share x row-blocks and W column-blocks in L2.
 __device__ __forceinline__ void tile_coords(int tile, int n_tiles_m, int n_tiles_n, int group_m, int& pm, int& pn) {
@@ -607,8 +609,7 @@ __device__ __forceinline__ void stage_tile(const float (&acc_top)[64], const flo
                                            int tile_row0, int tile, int warp, int lane, const EpilogueArgs& args,
                                            const Smem& sm) {
   using S = Schedule<Epilogue::kTwellPack, 256>;
-  constexpr uint32_t kHandOff = 3 * 128;  // both consumer warpgroups and the packer
-  if (j > 0) ptx::named_barrier_sync(kStagedFreeBarrier, kHandOff);
+  if (j > 0) ptx::named_barrier_sync(kStagedFreeBarrier, kStagedHandOffThreads);
   if (write) {
     const int lq = lane & 3;
     const int cols_left = args.N - tile * kBlockN;
@@ -640,7 +641,7 @@ __device__ __forceinline__ void stage_tile(const float (&acc_top)[64], const flo
       }
     }
   }
-  ptx::named_barrier_arrive(kStagedFullBarrier, kHandOff);
+  ptx::named_barrier_arrive(kStagedFullBarrier, kStagedHandOffThreads);
 }
 
 // Staged schedule: the fourth warpgroup packs each 256 x 128 tile the consumers staged, a thread per row
@@ -653,17 +654,15 @@ __device__ __forceinline__ void stage_tile(const float (&acc_top)[64], const flo
 template <typename T, int kCluster>
 __device__ __forceinline__ void pack_staged(const EpilogueArgs& args, const Smem& sm, const TileWalk<kCluster>& walk) {
   using S = Schedule<Epilogue::kTwellPack, 256>;
-  constexpr uint32_t kHandOff = 3 * 128;
   ptx::setmaxnreg_dec<kStagedPackerRegs>();
   const int t = static_cast<int>(threadIdx.x) - 3 * 128, lane = t % 32;
-  const int n_blocks = (args.M + kBlockM - 1) / kBlockM;
   const uint32_t staged = ptx::smem_addr(sm.staged);
   // Backup rows as 16-byte copies where every tile row starts 16-byte aligned.
   const bool vec_backup = args.N % 8 == 0 && (reinterpret_cast<uintptr_t>(args.c) & 15u) == 0;
   for (int unit = walk.first; unit < walk.n_units(); unit += walk.stride) {
     int pm, pn, split;
     walk.coords(unit, pm, pn, split);
-    ptx::named_barrier_sync(kStagedFullBarrier, kHandOff);
+    ptx::named_barrier_sync(kStagedFullBarrier, kStagedHandOffThreads);
     if (walk.real(pn)) {
       const int cols_left = args.N - pn * kBlockN;
       // The mask bits of columns that exist (past N the staged values are not to be trusted: x may hold
@@ -728,16 +727,11 @@ __device__ __forceinline__ void pack_staged(const EpilogueArgs& args, const Smem
             }
           }
         }
-        // Per block, one atomic per warp and counter.
-        const int nnz = static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(total)));
-        const int overflowed = static_cast<int>(__reduce_add_sync(0xffffffffu, total > args.cap ? 1u : 0u));
-        const int block = pm * 2 + half;
-        if (lane == 0 && nnz) atomicAdd(&args.block_nnz[block], nnz);
-        if (lane == 0 && overflowed) atomicAdd(&args.block_nnz[n_blocks + block], overflowed);
+        add_block_counts(total, total > args.cap ? 1 : 0, pm * 2 + half, lane, args);
       }
     }
     // The last tile's hand-off back has no taker.
-    if (unit + walk.stride < walk.n_units()) ptx::named_barrier_arrive(kStagedFreeBarrier, kHandOff);
+    if (unit + walk.stride < walk.n_units()) ptx::named_barrier_arrive(kStagedFreeBarrier, kStagedHandOffThreads);
   }
 }
 

@@ -8,9 +8,9 @@ and in ours; small values, so the activation keeps its sparsity.
 
 "pack" is the gate as the op runs it (``gate_twell_gemm``; by default 2x128, CTA pairs of ping-pong
 tiles; 2x256 is the opt-in staged schedule: cooperative 256-row tiles, the packing epilogue staged
-through shared memory and run by a fourth warpgroup); "store" is the
-dense-path GEMM with every block forced dense (``dense_block_gemm``), which writes the whole [M, N]
-product (2x256 there: cooperative tiles with the epilogue in the consumers). GPU only.
+through shared memory and run by a fourth warpgroup); "store" is the dense-path GEMM with every block
+forced dense (``dense_block_gemm``), which writes the whole [M, N] product (2x256 there: cooperative
+tiles with the epilogue in the consumers). GPU only.
 
 ``--launches N`` only launches cuBLAS, then pack and store in CTA pairs, N times each, untimed, for
 Nsight Compute, e.g. ``ncu --clock-control none --section SpeedOfLight -k regex:"gemm|nvjet"

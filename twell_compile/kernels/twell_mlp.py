@@ -94,9 +94,9 @@ class KernelConfig:
     L2 traffic for it) where there are enough tile pairs; 1: single CTAs (for comparison)."""
     gate_gemm_tile_m: int = int(os.environ.get("TWELL_GATE_GEMM_TILE_M", "128"))
     """The gate GEMM's schedule. 256 (opt-in): cooperative 256 x 128 tiles (both consumer warpgroups on
-    one tile, a third of the L2 traffic per output off ping-pong's) with a staged epilogue: the consumers round
-    the tile into shared memory and a fourth warpgroup packs it while they run the next tile's MMAs
-    (csrc/twell_gemm.cu), where its tiles fill the GPU, else ping-pong; 128: ping-pong (128 x 128 tiles,
+    one tile, a third of the L2 traffic per output off ping-pong's) with a staged epilogue: the
+    consumers round the tile into shared memory and a fourth warpgroup packs it while they run the next
+    tile's MMAs (csrc/twell_gemm.cu), where its tiles fill the GPU, else ping-pong; 128: ping-pong (128 x 128 tiles,
     each consumer warpgroup's epilogue hidden behind the other's MMAs). H100, 2B shape, M = 131072, with
     a bias, alternating rounds: 4.75-5.02 ms against 5.22-5.84 ms for ping-pong pairs, cuBLAS's dense
     GEMM 4.2-4.35 ms (examples/results/probe_staged_gate_h100_2026-11-23.log; a noisier
