@@ -68,10 +68,6 @@ __device__ __forceinline__ uint32_t ld_shared_u16(uint32_t addr) {
   return v;
 }
 
-__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
-}
-
 // ---- TMA ------------------------------------------------------------------------------------------
 // 2-D tile load; coordinates are (innermost, outer) in elements. Out-of-bounds elements are zero-filled.
 __device__ __forceinline__ void tma_load_2d(void* dst, const void* tensor_map, uint64_t* bar, int c0, int c1) {
@@ -97,17 +93,20 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
+// Stores four 8 x 8 matrices of 16-bit values from the mma fragment layout (thread l holds row l / 4,
+// columns 2 (l % 4) and the next, of each matrix) to shared memory: lanes 8 i .. 8 i + 7 give the
+// addresses of matrix i's rows. A quarter of the instructions of per-pair 32-bit stores.
+__device__ __forceinline__ void stmatrix_x4(uint32_t row_addr, uint32_t m0, uint32_t m1, uint32_t m2, uint32_t m3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(row_addr), "r"(m0), "r"(m1),
+               "r"(m2), "r"(m3)
+               : "memory");
+}
+
 // ---- named barriers -------------------------------------------------------------------------------
 // Barrier `id` (1-15; 0 is __syncthreads) over `threads` threads (a multiple of 32): one warpgroup can
 // synchronise without the rest of the CTA.
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-// Arrives on barrier `id` without waiting (the other side of a producer/consumer hand-off, whose
-// waiting threads use named_barrier_sync with the same count).
-__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- clusters -------------------------------------------------------------------------------------

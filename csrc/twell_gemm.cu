@@ -23,25 +23,25 @@
 //   the other's MMAs run, so the epilogue hides behind the tensor cores. A consumer starts waiting for
 //   its tile's K-slices only once the other has received all of its own ("turn" barriers): the
 //   mainloops then run one after the other, and no consumer waits on a ring stage more than one phase
-//   ahead (mbarrier parity waits cannot tell phases two apart). The gate and gate-times-up GEMMs use it
-//   by default.
+//   ahead (mbarrier parity waits cannot tell phases two apart). The gate-times-up GEMM uses it by
+//   default, the gate where there are too few 256-row tiles for the staged schedule.
 // * cooperative (tile_m 256): both consumers work on one 256 x 128 tile (rows 0-127 and 128-255), so
 //   the B slice serves twice the rows and the L2 traffic per output falls, but the epilogue is exposed.
 //   It pays where the mainloop is long beside the epilogue: the dense-path down projection (K = the
 //   intermediate size; H200, 2B shape: 4.0-4.1 against 4.4-4.5 ms), not the gate (5.0 against 4.7 ms).
 //   On the dense path a 256-row tile runs if either of its blocks is dense; a consumer whose block is
 //   sparse (or past the end) only receives and releases the stages, without MMAs.
-// * cooperative, staged (the pack epilogue only; opt-in for the gate, TWELL_GATE_GEMM_TILE_M=256): as
+// * cooperative, staged (the pack epilogue only; the gate's default, TWELL_GATE_GEMM_TILE_M=256): as
 //   cooperative, but the consumers only add the bias and round the tile into shared memory
 //   (stage_tile), then go on to the next tile's MMAs, while a fourth warpgroup packs the staged tile
 //   (pack_staged): the epilogue no longer leaves the tensor cores idle. The staged tile (68 KB) leaves
 //   room for 3 ring stages. H100, 2B gate at M = 131072 with a bias: 4.75-5.02 ms against 5.22-5.84 ms
 //   for ping-pong pairs, cuBLAS 4.2-4.35 ms; with staging and packing skipped the same kernel ran at
 //   cuBLAS's pace (4.0-4.4 ms), so they are what is left between them. The packer's first form (a warp
-//   per row) could not keep up with the MMAs (5.7-6.0 ms). Exact in every test, but compute-sanitizer's
-//   racecheck reports hazards between stage_tile's writes and pack_staged's reads (H100, 2026-11-23),
-//   which the named-barrier hand-off below should order;
-//   not resolved yet, hence not the default.
+//   per row) could not keep up with the MMAs (5.7-6.0 ms). The tile changes hands on two mbarriers
+//   (staged_full, staged_free) on which every thread of the writing side arrives: with a named-barrier
+//   hand-off (bar.arrive / bar.sync) racecheck reported hazards between the staging writes and the
+//   packer's reads; with the mbarriers it reports none (H100, 2026-11-23).
 // The dense-path kernels read the per-block test once per CTA into a shared bitmap, and a CTA exits at
 // once when no block is dense.
 //
@@ -88,7 +88,7 @@ static_assert(kBlockM == kGemmTile && kBlockN == kGemmTile && kBlockK == kGemmSl
 constexpr int kRingBytes = 192 * 1024;
 constexpr int kMaxStages = 6;
 constexpr int kBitmapBlocks = 65536;  // dense-block bitmap: 8 KB of shared memory
-constexpr int kBarrierBytes = (2 * kMaxStages + 2) * 8;
+constexpr int kBarrierBytes = (2 * kMaxStages + 4) * 8;
 
 enum class Epilogue { kTwellPack, kGateTimesUp, kStore };
 
@@ -125,11 +125,11 @@ constexpr int kConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers
 // Staged schedule: 128 x (40 + 72 + 2 x 200) = 64K registers (the packer spilled at 56).
 constexpr int kStagedPackerRegs = 72;
 constexpr int kStagedConsumerRegs = 200;
-// Named barriers of the staged schedule (1 and 2 are the K split's), each between both consumer
-// warpgroups and the packer.
-constexpr uint32_t kStagedFullBarrier = 3;  // the consumers have staged a tile
-constexpr uint32_t kStagedFreeBarrier = 4;  // the packer is done reading it
-constexpr uint32_t kStagedHandOffThreads = 3 * 128;
+// The staged schedule's hand-off mbarriers: every thread of the writing side arrives (the consumers'
+// 256 on staged_full, the packer's 128 on staged_free), so each thread's own shared-memory accesses are
+// released to the waiting side, which acquires them with its parity wait.
+constexpr uint32_t kStagedFullArrivals = 2 * 128;
+constexpr uint32_t kStagedFreeArrivals = 128;
 
 // Grouped tile order: CTAs running at the same time share x row-blocks and W column-blocks in L2.
 __device__ __forceinline__ void tile_coords(int tile, int n_tiles_m, int n_tiles_n, int group_m, int& pm, int& pn) {
@@ -469,8 +469,10 @@ struct Smem {
   uint64_t* full;   // [kStages] the producer's TMA bytes have landed
   uint64_t* empty;  // [kStages] the consuming warpgroup is done with the stage
   uint64_t* turn;   // [2] turn[c]: the other consumer has received its tile's last K-slice
-  uint32_t* bits;   // dense-block bitmap
-  uint8_t* staged;  // staged schedule: the tile the packer warpgroup packs, [kTileM][kStagedRowBytes]
+  uint64_t* staged_full;  // staged schedule: the consumers have staged tile j (phase j)
+  uint64_t* staged_free;  // staged schedule: the packer is done reading tile j (phase j)
+  uint32_t* bits;         // dense-block bitmap
+  uint8_t* staged;        // staged schedule: the tile the packer warpgroup packs, [kTileM][kStagedRowBytes]
 };
 
 template <Epilogue kMode, int kCluster, int kTileM>
@@ -481,7 +483,9 @@ __device__ __forceinline__ bool setup(uint8_t* smem_raw, const EpilogueArgs& arg
   sm.full = reinterpret_cast<uint64_t*>(sm.staged + S::kStagedBytes);
   sm.empty = sm.full + S::kStages;
   sm.turn = sm.empty + S::kStages;
-  sm.bits = reinterpret_cast<uint32_t*>(sm.turn + 2);
+  sm.staged_full = sm.turn + 2;
+  sm.staged_free = sm.turn + 3;
+  sm.bits = reinterpret_cast<uint32_t*>(sm.turn + 4);
   if (threadIdx.x == 0) {
     for (int s = 0; s < S::kStages; ++s) {
       ptx::mbarrier_init(&sm.full[s], 1);  // the producer's expect_tx arrival (+ the TMA bytes)
@@ -489,6 +493,8 @@ __device__ __forceinline__ bool setup(uint8_t* smem_raw, const EpilogueArgs& arg
       ptx::mbarrier_init(&sm.empty[s], S::kReleasingWarps * kCluster);
     }
     for (int c = 0; c < 2; ++c) ptx::mbarrier_init(&sm.turn[c], 4);
+    ptx::mbarrier_init(sm.staged_full, kStagedFullArrivals);
+    ptx::mbarrier_init(sm.staged_free, kStagedFreeArrivals);
     ptx::fence_barrier_init();
   }
   filter.test = args.dense_test;
@@ -603,13 +609,14 @@ __device__ __forceinline__ bool sum_split_partials(float (&acc_top)[64], float (
 // Staged schedule, a consumer's side of its j-th tile: waits until the packer has read tile j - 1, then
 // rounds its 128 rows (+ bias) to 16 bits into the staged tile, exactly as pack_rows rounds them, unless
 // `write` is false (rows past the end, or a pair's column tile past the last: the packer skips those),
-// and tells the packer the tile is there.
+// and tells the packer the tile is there. The accumulator's layout is stmatrix's fragment layout: a
+// warp's 8 x 8 blocks (rows 8 half + 0..7 of its 16, columns 8 q + 0..7) go out four per instruction.
 template <typename T>
 __device__ __forceinline__ void stage_tile(const float (&acc_top)[64], const float (&acc_bottom)[64], bool write, int j,
                                            int tile_row0, int tile, int warp, int lane, const EpilogueArgs& args,
                                            const Smem& sm) {
   using S = Schedule<Epilogue::kTwellPack, 256>;
-  if (j > 0) ptx::named_barrier_sync(kStagedFreeBarrier, kStagedHandOffThreads);
+  if (j > 0) ptx::mbarrier_wait(sm.staged_free, (j - 1) & 1);
   if (write) {
     const int lq = lane & 3;
     const int cols_left = args.N - tile * kBlockN;
@@ -624,24 +631,29 @@ __device__ __forceinline__ void stage_tile(const float (&acc_top)[64], const flo
         bias_hi[q] = col + 1 < cols_left ? Dtype16<T>::to_float(bias[col + 1]) : 0.f;
       }
     }
-    const uint32_t base =
-        ptx::smem_addr(sm.staged) + (tile_row0 + warp * 16 + lane / 4) * S::kStagedRowBytes + lq * 4;
+    // Lane l addresses row l % 8 of matrix l / 8 = (column block q + (l / 16), row half (l / 8) % 2).
+    const int matrix = lane / 8;
+    const uint32_t base = ptx::smem_addr(sm.staged) +
+                          (tile_row0 + warp * 16 + 8 * (matrix % 2) + lane % 8) * S::kStagedRowBytes +
+                          16 * (matrix / 2);
 #pragma unroll
     for (int chain = 0; chain < 2; ++chain) {
       const float(&acc)[64] = chain == 0 ? acc_top : acc_bottom;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const uint32_t row = base + (64 * chain + 8 * half) * S::kStagedRowBytes;
+      for (int q = 0; q < 16; q += 2) {
+        uint32_t pairs[4];  // (q, half 0), (q, half 1), (q + 1, half 0), (q + 1, half 1)
 #pragma unroll
-        for (int q = 0; q < 16; ++q) {
-          float lo = acc[4 * q + 2 * half], hi = acc[4 * q + 2 * half + 1];
-          if (args.bias != nullptr) lo += bias_lo[q], hi += bias_hi[q];
-          ptx::st_shared_u32(row + q * 16, Dtype16<T>::pair_bits(lo, hi));
+        for (int i = 0; i < 4; ++i) {
+          const int qi = q + i / 2, half = i % 2;
+          float lo = acc[4 * qi + 2 * half], hi = acc[4 * qi + 2 * half + 1];
+          if (args.bias != nullptr) lo += bias_lo[qi], hi += bias_hi[qi];
+          pairs[i] = Dtype16<T>::pair_bits(lo, hi);
         }
+        ptx::stmatrix_x4(base + 64 * chain * S::kStagedRowBytes + 16 * q, pairs[0], pairs[1], pairs[2], pairs[3]);
       }
     }
   }
-  ptx::named_barrier_arrive(kStagedFullBarrier, kStagedHandOffThreads);
+  ptx::mbarrier_arrive(sm.staged_full);
 }
 
 // Staged schedule: the fourth warpgroup packs each 256 x 128 tile the consumers staged, a thread per row
@@ -659,10 +671,11 @@ __device__ __forceinline__ void pack_staged(const EpilogueArgs& args, const Smem
   const uint32_t staged = ptx::smem_addr(sm.staged);
   // Backup rows as 16-byte copies where every tile row starts 16-byte aligned.
   const bool vec_backup = args.N % 8 == 0 && (reinterpret_cast<uintptr_t>(args.c) & 15u) == 0;
-  for (int unit = walk.first; unit < walk.n_units(); unit += walk.stride) {
+  uint32_t j = 0;  // the tile's index in this CTA's walk, as the consumers count it
+  for (int unit = walk.first; unit < walk.n_units(); unit += walk.stride, ++j) {
     int pm, pn, split;
     walk.coords(unit, pm, pn, split);
-    ptx::named_barrier_sync(kStagedFullBarrier, kStagedHandOffThreads);
+    ptx::mbarrier_wait(sm.staged_full, j & 1);
     if (walk.real(pn)) {
       const int cols_left = args.N - pn * kBlockN;
       // The mask bits of columns that exist (past N the staged values are not to be trusted: x may hold
@@ -730,8 +743,7 @@ __device__ __forceinline__ void pack_staged(const EpilogueArgs& args, const Smem
         add_block_counts(total, total > args.cap ? 1 : 0, pm * 2 + half, lane, args);
       }
     }
-    // The last tile's hand-off back has no taker.
-    if (unit + walk.stride < walk.n_units()) ptx::named_barrier_arrive(kStagedFreeBarrier, kStagedHandOffThreads);
+    ptx::mbarrier_arrive(sm.staged_free);  // (the last tile's has no taker)
   }
 }
 

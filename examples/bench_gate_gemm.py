@@ -6,9 +6,9 @@ each schedule, against cuBLAS's dense gate GEMM; same run, alternating rounds (t
 ``--bias`` gives the gate a bias (as Hugging Face Llama with ``mlp_bias=True`` has), in cuBLAS's GEMM
 and in ours; small values, so the activation keeps its sparsity.
 
-"pack" is the gate as the op runs it (``gate_twell_gemm``; by default 2x128, CTA pairs of ping-pong
-tiles; 2x256 is the opt-in staged schedule: cooperative 256-row tiles, the packing epilogue staged
-through shared memory and run by a fourth warpgroup); "store" is the dense-path GEMM with every block
+"pack" is the gate as the op runs it (``gate_twell_gemm``; by default 2x256, the staged schedule:
+CTA pairs of cooperative 256-row tiles, the packing epilogue staged through shared memory and run by a
+fourth warpgroup; 2x128 is ping-pong tiles); "store" is the dense-path GEMM with every block
 forced dense (``dense_block_gemm``), which writes the whole [M, N] product (2x256 there: cooperative
 tiles with the epilogue in the consumers). GPU only.
 

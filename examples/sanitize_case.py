@@ -28,8 +28,8 @@ for m, (k, f, d), gated, density in [(7, (257, 1031, 131), True, float("inf")), 
                                      (601, (264, 1000, 200), False, float("inf"))]:
     # The last case: 256-row tiles in all three GEMMs, a last tile whose second half lies past the end,
     # and a tile of one dense and one sparse block on the dense path. The gate runs the staged
-    # cooperative schedule (opt-in) wherever its tiles fill the grid (M = 520, 600, 601 and 4126); on
-    # 2026-11-23 racecheck reported hazards on its shared-memory hand-off there (csrc/twell_gemm.cu).
+    # cooperative schedule (the default) wherever its tiles fill the grid (M = 520, 600, 601 and 4126),
+    # ping-pong elsewhere.
     twell_mlp.config.gemm_tile_m = twell_mlp.config.down_gemm_tile_m = 256 if m == 4126 else 128
     twell_mlp.config.gate_gemm_tile_m = 256 if m in (520, 600, 601, 4126) else 128
     # (The dense path at M = 130 splits the down projection's K by itself: 4 ranges.)

@@ -92,8 +92,8 @@ class KernelConfig:
     gemm_cluster: int = int(os.environ.get("TWELL_GEMM_CLUSTER", "2"))
     """2: the wgmma GEMMs run in 2-CTA clusters that share each x (or h) tile by TMA multicast (half the
     L2 traffic for it) where there are enough tile pairs; 1: single CTAs (for comparison)."""
-    gate_gemm_tile_m: int = int(os.environ.get("TWELL_GATE_GEMM_TILE_M", "128"))
-    """The gate GEMM's schedule. 256 (opt-in): cooperative 256 x 128 tiles (both consumer warpgroups on
+    gate_gemm_tile_m: int = int(os.environ.get("TWELL_GATE_GEMM_TILE_M", "256"))
+    """The gate GEMM's schedule. 256 (the default): cooperative 256 x 128 tiles (both consumer warpgroups on
     one tile, a third of the L2 traffic per output off ping-pong's) with a staged epilogue: the
     consumers round the tile into shared memory and a fourth warpgroup packs it while they run the next
     tile's MMAs (csrc/twell_gemm.cu), where its tiles fill the GPU, else ping-pong; 128: ping-pong (128 x 128 tiles,
@@ -101,9 +101,8 @@ class KernelConfig:
     a bias, alternating rounds: 4.75-5.02 ms against 5.22-5.84 ms for ping-pong pairs, cuBLAS's dense
     GEMM 4.2-4.35 ms (examples/results/probe_staged_gate_h100_2026-11-23.log; a noisier
     bench_gate_gemm.py run: bench_gate_gemm_h100_2026-11-23_staged.log). It is exact in every test
-    (bitwise equal to ping-pong), but compute-sanitizer's racecheck reports hazards between the
-    consumers' staging writes and the packer's reads, which a named-barrier hand-off orders (bar.arrive
-    / bar.sync): until that report is resolved, ping-pong stays the default."""
+    (bitwise equal to ping-pong); the tile changes hands on mbarriers every thread arrives on, and
+    compute-sanitizer's memcheck and racecheck are clean on it (sanitize_h100_2026-11-23_mbarrier.log)."""
     gemm_tile_m: int = int(os.environ.get("TWELL_GEMM_TILE_M", "128"))
     """The gate-times-up GEMM's schedule (dense path). 128: ping-pong (128 x 128 tiles, each consumer
     warpgroup's epilogue hidden behind the other's MMAs); 256: cooperative (256 x 128 tiles, both
