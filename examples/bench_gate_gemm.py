@@ -12,14 +12,22 @@ fourth warpgroup; 2x128 is ping-pong tiles); "store" is the dense-path GEMM with
 forced dense (``dense_block_gemm``), which writes the whole [M, N] product (2x256 there: cooperative
 tiles with the epilogue in the consumers). GPU only.
 
-``--launches N`` only launches cuBLAS, then pack and store in CTA pairs, N times each, untimed, for
-Nsight Compute, e.g. ``ncu --clock-control none --section SpeedOfLight -k regex:"gemm|nvjet"
-python examples/bench_gate_gemm.py --m 128 --launches 3``.
+``--launches N`` only launches cuBLAS, then pack (2x256, then 2x128) and store in CTA pairs, N times
+each, untimed, for Nsight Compute, e.g. ``ncu --clock-control none --section SpeedOfLight -k
+regex:"gemm|nvjet" python examples/bench_gate_gemm.py --m 128 --launches 3``.
+
+``--sustain S`` runs cuBLAS and each pack schedule back to back for S seconds each while
+``nvidia-smi`` samples the SM clock and the board power every 100 ms, and prints each one's time per
+call with its median clock and power: at full tensor load the GPU is power-limited, so a kernel that
+draws more power runs at a lower clock.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
+import time
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +47,29 @@ def cublas_kernel_names(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
     return sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
 
 
+def sustained(fn, seconds: float) -> tuple[float, float, float]:
+    """fn() back to back for `seconds`: (ms per call, median SM clock in MHz, median power in W)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                            "-i", str(torch.cuda.current_device()), "-lms", "100"],
+                           stdout=subprocess.PIPE, text=True)
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(10):
+            fn()
+        calls += 10
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    smi.terminate()
+    samples = [line.split(",") for line in smi.communicate()[0].splitlines() if line.count(",") == 1]
+    samples = samples[len(samples) // 5:]  # past the ramp
+    clock = statistics.median(float(c) for c, _ in samples) if samples else float("nan")
+    power = statistics.median(float(w) for _, w in samples) if samples else float("nan")
+    return 1e3 * elapsed / calls, clock, power
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", type=int, nargs="+", default=[131072, 16384])
@@ -47,6 +78,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--launches", type=int, default=0, help="untimed launches for a profiler (see above)")
     parser.add_argument("--bias", action="store_true", help="a gate bias, in every GEMM timed")
+    parser.add_argument("--sustain", type=float, default=0.0, help="seconds of back-to-back calls each (see above)")
     args = parser.parse_args()
     k, f = args.hidden, args.intermediate
     ext = build.cuda_extension()
@@ -71,11 +103,17 @@ def main() -> None:
             ext.dense_block_gemm(x, w, b, dense, all_dense, None, None, 0, 0, 0, sms, cluster, tile_m)
 
         if args.launches:
-            for run in (lambda: F.linear(x, w, b), lambda: pack(2, 128), lambda: store(2, 128)):
+            for run in (lambda: F.linear(x, w, b), lambda: pack(2, 256), lambda: pack(2, 128), lambda: store(2, 128)):
                 for _ in range(args.launches):
                     run()
             torch.cuda.synchronize()
             print(f"M={m}: {args.launches} launches each of cuBLAS, pack and store")
+            continue
+        if args.sustain:
+            for name, run in (("cuBLAS", lambda: F.linear(x, w, b)), ("pack 2x256", lambda: pack(2, 256)),
+                              ("pack 2x128", lambda: pack(2, 128)), ("cuBLAS again", lambda: F.linear(x, w, b))):
+                ms, clock, power = sustained(run, args.sustain)
+                print(f"M={m} sustained {name}: {ms:.3f} ms per call, SM clock {clock:.0f} MHz, {power:.0f} W")
             continue
         print(f"M={m}{' with bias' if args.bias else ''} cuBLAS runs: {', '.join(cublas_kernel_names(x, w, b))}")
         for r in range(args.rounds):
