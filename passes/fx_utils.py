@@ -333,13 +333,17 @@ def format_shape(shape: Sequence | None) -> str:
 # Module paths
 # ---------------------------------------------------------------------------------------------------
 
-_DYNAMO_ROOT = re.compile(r"^L\['[^']*'\]\.?|^L__self__\.?")
+# The traced root: ``L['self']``, or ``L['args'][0]`` where Dynamo enters the forward through a
+# decorator's ``*args`` wrapper (Hugging Face transformers 5.24's Llama forward, for one).
+# (The dot after it stays, so that a first ``._modules['name']`` is rewritten like the others.)
+_DYNAMO_ROOT = re.compile(r"^L\['(?:args|kwargs)'\]\[[^\]]*\]|^L\['[^']*'\]|^L__self__")
 _DYNAMO_MODULES = re.compile(r"\._modules\['([^']*)'\]")
 _INDEX = re.compile(r"\[(\d+)\]")
 
 
 def clean_module_path(path: str) -> str:
-    """``L['self'].model.layers[0].mlp`` -> ``model.layers.0.mlp`` (export paths pass through)."""
+    """``L['self'].model.layers[0].mlp`` (or ``L['args'][0].model...``) -> ``model.layers.0.mlp`` (export
+    paths pass through)."""
     path = _DYNAMO_ROOT.sub("", path)
     path = _DYNAMO_MODULES.sub(r".\1", path)
     return _INDEX.sub(r".\1", path).strip(".")

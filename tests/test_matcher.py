@@ -497,6 +497,19 @@ def test_chained_blocks_rewrite_once():
     assert "rewritten first" in report.left_alone[0].reason
 
 
+@pytest.mark.parametrize("path, expected", [
+    ("L['self'].model.layers[0].mlp", "model.layers.0.mlp"),
+    ("L['args'][0].model.layers[5].mlp", "model.layers.5.mlp"),  # a forward behind a *args decorator
+    ("L['kwargs']['model'].layers[1]", "layers.1"),
+    ("L['self']._modules['layers']._modules['2'].mlp", "layers.2.mlp"),
+    ("L__self__.mlp", "mlp"),
+    ("L['self']", ""),
+    ("model.layers.3.mlp", "model.layers.3.mlp"),  # export paths pass through
+])
+def test_clean_module_path_strips_every_dynamo_root(path, expected):
+    assert clean_module_path(path) == expected
+
+
 def test_llama_dynamo_graph_is_fast():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
