@@ -101,7 +101,7 @@ class KernelConfig:
     a bias, alternating rounds: 4.75-5.02 ms against 5.22-5.84 ms for ping-pong pairs, cuBLAS's dense
     GEMM 4.2-4.35 ms (examples/results/probe_staged_gate_h100_2026-11-23.log; a noisier
     bench_gate_gemm.py run: bench_gate_gemm_h100_2026-11-23_staged.log); run back to back at the
-    power limit, 4.81 ms against cuBLAS's 4.59-4.60 and ping-pong's 5.4-5.5
+    power limit, 4.81 ms against cuBLAS's 4.59-4.60 and ping-pong's 5.42-5.46
     (ncu_gate_h100_2026-11-25_early_release.log). It is exact in every test
     (bitwise equal to ping-pong); the tile changes hands on mbarriers every thread arrives on, and
     compute-sanitizer's memcheck and racecheck are clean on it (sanitize_h100_2026-11-23_mbarrier.log)."""
