@@ -296,7 +296,7 @@ struct PieceOrder {
 };
 template <typename T>
 constexpr int kCountBuckets = kPieceEntries<T> + 1;  // entry counts 0 (idle thread) .. kPieceEntries
-constexpr int kLoadGroup = 4;  // slice loads in flight per thread
+constexpr int kLoadGroup = 2;  // slice loads per thread per step; the next step's are in flight too
 constexpr int kZeroUnits = 8;  // one per bank group
 // A thread's plan: its group starts (one byte per group), then a byte per load position.
 template <typename T>
@@ -384,6 +384,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
   const uint32_t slice_bytes = static_cast<uint32_t>(F) * kSlice * sizeof(T);
   const uint32_t buffer_bytes = slice_bytes + kZeroUnits * kSlice * sizeof(T);  // the slice, then the zero units
   unsigned char* slices = smem;
+  const uint32_t slices_addr = ptx::smem_addr(slices);
   float4* partials = reinterpret_cast<float4*>(smem + 2 * buffer_bytes);  // [2][kChunkThreads][2]
   uint64_t* full = reinterpret_cast<uint64_t*>(partials + 2 * kChunkThreads * 2);  // [2]: a slice landed
   int64_t* chunk_rows = reinterpret_cast<int64_t*>(full + 2);
@@ -508,14 +509,19 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
         }
       }
     };
-    uint32_t units[kPieceEntries<T> / 2];  // position j's unit in bits 16 (j % 2) .. +15
+    // Position j's unit, two to a register, scaled so that its byte offset in a slice (unit * 16) takes
+    // one shift at odd positions (the high half holds unit * 8, and the low half's top bit is clear:
+    // word >> 15) and a mask and a shift at even ones (the low half holds unit * 4). Both fit 16 bits
+    // since F + kZeroUnits <= 8192 (chunked_sparse_fits). Saves the per-entry extraction and the
+    // buffer's offset in the address sums of the hot loops (the buffer's address is warp-uniform).
+    uint32_t units[kPieceEntries<T> / 2];
     float acc[kPieceEntries<T>];           // up projections, then h (padding: 0)
 #pragma unroll
     for (int j = 0; j < kPieceEntries<T>; ++j) {
       if (j % 2 == 0) units[j / 2] = 0u;
       acc[j] = 0.f;
     }
-    const auto set_unit = [&](int j, uint32_t unit) { units[j / 2] |= j % 2 == 0 ? unit : unit << 16; };
+    const auto set_unit = [&](int j, uint32_t unit) { units[j / 2] |= j % 2 == 0 ? unit * 4u : unit * 8u << 16; };
     walk_plan(
         [&](int j, uint32_t word) {
           set_unit(j, word & 0xffffu);
@@ -523,22 +529,29 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
         },
         [&](int j, uint32_t unit) { set_unit(j, unit); });
     // use(j, w) for each position j of the plan (warp-uniformly, whole groups of kLoadGroup) with w its
-    // unit's 8 columns in `slice`; the group's rows are loaded before any is used.
-    const auto for_each_entry = [&](const unsigned char* slice, auto&& use) {
+    // unit's 8 columns in `slice`. The next group's rows are loaded before this group's are used, so
+    // 2 * kLoadGroup loads are in flight without holding more rows in registers than groups of 4 did
+    // (small groups also pad less: a warp runs its longest piece rounded up to a whole group). Past
+    // the plan's last position the units are 0: the prefetch reads unit 0's row there and leaves it.
+    const auto for_each_entry = [&](uint32_t slice, auto&& use) {  // slice: a buffer's shared address
+      const auto load = [&](int g, uint4 (&rows)[kLoadGroup]) {
+#pragma unroll
+        for (int l = 0; l < kLoadGroup; ++l) {
+          const int j = g * kLoadGroup + l;
+          const uint32_t offset = j % 2 == 0 ? (units[j / 2] & 0xffffu) << 2 : units[j / 2] >> 15;
+          rows[l] = ptx::ld_shared_v4(slice + offset);
+        }
+      };
+      uint4 rows[2][kLoadGroup];  // by group parity (static indices once unrolled: no copies)
+      load(0, rows[0]);
 #pragma unroll
       for (int g = 0; g < kPieceEntries<T> / kLoadGroup; ++g) {
         if (g < groups) {
-          uint4 rows[kLoadGroup];
-#pragma unroll
-          for (int l = 0; l < kLoadGroup; ++l) {
-            const int j = g * kLoadGroup + l;
-            const uint32_t unit = j % 2 == 0 ? (units[j / 2] & 0xffffu) : (units[j / 2] >> 16);
-            rows[l] = *reinterpret_cast<const uint4*>(slice + unit * (kSlice * sizeof(T)));
-          }
+          if (g + 1 < kPieceEntries<T> / kLoadGroup) load(g + 1, rows[(g + 1) % 2]);
 #pragma unroll
           for (int l = 0; l < kLoadGroup; ++l) {
             float w[8];
-            unpack8<T>(rows[l], w);
+            unpack8<T>(rows[g % 2][l], w);
             use(g * kLoadGroup + l, w);
           }
         }
@@ -553,7 +566,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
         unpack8<T>(x_next, xf);
         if (count > 0 && s + 1 < up_slices) x_next = *reinterpret_cast<const uint4*>(x_row + (s + 1) * kSlice);
         ptx::mbarrier_wait(&full[stage & 1], (stage >> 1) & 1);
-        const unsigned char* slice = slices + (stage & 1) * buffer_bytes;
+        const uint32_t slice = slices_addr + (stage & 1) * buffer_bytes;
         for_each_entry(slice, [&](int j, const float (&w)[8]) {
           float a = acc[j];
 #pragma unroll
@@ -577,7 +590,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
     T* out_row = out + static_cast<int64_t>(job.row) * D;
     for (int s = 0; s < down_slices; ++s, ++stage) {
       ptx::mbarrier_wait(&full[stage & 1], (stage >> 1) & 1);
-      const unsigned char* slice = slices + (stage & 1) * buffer_bytes;
+      const uint32_t slice = slices_addr + (stage & 1) * buffer_bytes;
       float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for_each_entry(slice, [&](int j, const float (&w)[8]) {
 #pragma unroll
@@ -686,7 +699,7 @@ bool chunked_sparse_fits(int64_t K, int64_t F, int64_t D, int64_t element_size, 
   int device = 0, max_smem = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return F >= 1 && F + kZeroUnits - 1 <= 0xffff && D % kSlice == 0 && (!gated || K % kSlice == 0) &&
+  return F >= 1 && (F + kZeroUnits) * 8 <= 0x10000 && D % kSlice == 0 && (!gated || K % kSlice == 0) &&
          chunked_smem_bytes(F, element_size) <= static_cast<size_t>(max_smem);
 }
 
