@@ -286,14 +286,23 @@ __global__ void __launch_bounds__(kWorkThreads) flatten_entries_kernel(
 // Thread order. A warp steps through its lanes' entries together, so it runs as long as its longest
 // piece, and all warps meet at every slice. So each chunk's pieces are sorted by entry count, longest
 // first, within each class of piece index mod 8 (ties in piece order, so the order is deterministic).
-// A piece's up projections do not depend on where it runs; its down partials sum its entries in its
-// plan's order, which depends on the 8 pieces of its quarter warp, fixed by the sort. A row's pieces
-// add their partials in piece order.
+// The sorted warps are dealt to the SM's four schedulers (warp % 4) in a snake, ranks 0-3, 7-4, 8-11,
+// 15-12, so that each scheduler's warps sum to about the same work: dealt in order, the scheduler of
+// the longest warp got the longest of every four, some 12% more issue than the average at 24 active
+// units per row. A piece's up projections do not depend on where it runs; its down partials sum its
+// entries in its plan's order, which depends on the 8 pieces of its quarter warp, fixed by the sort
+// (the snake moves whole warps). A row's pieces add their partials in piece order.
 struct PieceOrder {
   int row, first_entry;
   int count_and_parts;  // entries | (the row's piece count if this is its first piece, else 0) << 8
   int local;            // the piece's index in the chunk: where its partials go
 };
+// The thread that runs the chunk's rank-th piece in the sorted order: warps of ranks 4i .. 4i + 3 go to
+// schedulers 0-3 for even i and 3-0 for odd i (see Thread order); lanes stay.
+__device__ __forceinline__ int snake_thread(int rank) {
+  const int warp = rank / 32, group = warp / 4, turn = warp % 4;
+  return 32 * (4 * group + (group % 2 == 0 ? turn : 3 - turn)) + rank % 32;
+}
 template <typename T>
 constexpr int kCountBuckets = kPieceEntries<T> + 1;  // entry counts 0 (idle thread) .. kPieceEntries
 constexpr int kLoadGroup = 2;  // slice loads per thread per step; the next step's are in flight too
@@ -471,7 +480,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
     __syncthreads();
     const int slot = bucket_start[cls * kCountBuckets<T> + bucket] +
                      __popcll(bucket_threads[cls * kCountBuckets<T> + bucket] & ((1ull << (tid / 8)) - 1ull));
-    order[8 * slot + cls] = mine;  // each class has 64 threads
+    order[snake_thread(8 * slot + cls)] = mine;  // each class has 64 threads
     __syncthreads();
     const PieceOrder job = order[tid];
     const int count = job.count_and_parts & 0xff;
