@@ -22,11 +22,18 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--skew", action="store_true")
+    parser.add_argument("--bias", action="store_true", help="biases on all three projections (as bench_model.py's)")
     parser.add_argument("--non-gated", action="store_true")
     parser.add_argument("--dense-path", action="store_true", help="every block forced onto the dense path")
     parser.add_argument("--k-splits", type=int, default=None, help="the wgmma GEMMs' K ranges per tile (0: automatic)")
     parser.add_argument("--chunked-rows", type=int, default=None,
                         help="run the chunked sparse kernel for calls of at least this many rows (0: never)")
+    parser.add_argument("--flush-l2", action="store_true",
+                        help="overwrite a 256 MB buffer before each call, so the call finds its weights out of L2, "
+                             "as each layer of a model does")
+    parser.add_argument("--heat", type=int, default=0, metavar="N",
+                        help="run N 8192^3 bf16 matrix products before each call, so the call runs at the clock "
+                             "of a GPU under sustained load, as in a whole model")
     parser.add_argument("--plain", type=int, default=0, metavar="CALLS",
                         help="only make CALLS calls, without torch.profiler (for Nsight Compute / Systems)")
     args = parser.parse_args()
@@ -40,9 +47,16 @@ def main() -> None:
     if args.chunked_rows is not None:
         twell_mlp.config.chunked_sparse_rows = args.chunked_rows
     p = make_problem(args.m, args.hidden, args.intermediate, nnz_per_row=args.nnz, skew=args.skew,
-                     gated=not args.non_gated)
+                     gated=not args.non_gated, bias=args.bias)
+
+    scratch = torch.empty(1 << 28, dtype=torch.uint8, device="cuda") if args.flush_l2 else None
+    heat = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) if args.heat else None
 
     def call():
+        for _ in range(args.heat):
+            heat @ heat
+        if scratch is not None:
+            scratch.fill_(1)
         if args.non_gated:
             return torch.ops.twell.relu_mlp(*p.non_gated_args())
         return torch.ops.twell.gated_relu_mlp(*p.gated_args())
@@ -60,7 +74,8 @@ def main() -> None:
             call()
         torch.cuda.synchronize()
     print(f"GPU: {torch.cuda.get_device_name()}  M={args.m} nnz={args.nnz} skew={args.skew} "
-          f"dense_path={args.dense_path} k_splits={args.k_splits} chunked_rows={args.chunked_rows}  (5 calls)")
+          f"dense_path={args.dense_path} k_splits={args.k_splits} chunked_rows={args.chunked_rows} "
+          f"flush_l2={args.flush_l2} heat={args.heat} bias={args.bias}  (5 calls)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     # The same per kernel, under short names (the templates' epilogue tells the wgmma GEMMs apart).
     for event in prof.key_averages():
