@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(kWorkThreads) flatten_entries_kernel(
 // The sorted warps are dealt to the SM's four schedulers (warp % 4) in a snake, ranks 0-3, 7-4, 8-11,
 // 15-12, so that each scheduler's warps sum to about the same work: dealt in order, the scheduler of
 // the longest warp got the longest of every four, some 12% more issue than the average at 24 active
-// units per row. A piece's up projections do not depend on where it runs; its down partials sum its
+// units per row (estimated from Poisson piece lengths). A piece's up projections do not depend on where it runs; its down partials sum its
 // entries in its plan's order, which depends on the 8 pieces of its quarter warp, fixed by the sort
 // (the snake moves whole warps). A row's pieces add their partials in piece order.
 struct PieceOrder {

@@ -62,16 +62,12 @@ def main() -> None:
     for by_pc in reasons.values():
         samples.update(by_pc)
     total = sum(samples.values())
-    executed = {}
-    if "sass__inst_executed" in action.metric_names():
-        executed = per_pc(action.metric_by_name("sass__inst_executed"))
     print(f"# total samples {total}")
-    print("# share   address  samples   executed  SASS  (top 2 stall reasons)")
+    print("# share   address  samples  SASS  (top 2 stall reasons)")
     for pc, n in samples.most_common(args.top):
         top = sorted(((by_pc.get(pc, 0), r) for r, by_pc in reasons.items()), reverse=True)[:2]
         sass = action.sass_by_pc(pc) if hasattr(action, "sass_by_pc") else ""
-        print(f"{100 * n / total:5.1f}% {pc:8x} {n:8d} {executed.get(pc, 0):10d}  {sass:<60s} "
-              + ", ".join(f"{r} {c}" for c, r in top if c))
+        print(f"{100 * n / total:5.1f}% {pc:8x} {n:8d}  {sass:<60s} " + ", ".join(f"{r} {c}" for c, r in top if c))
     print("# per reason, all instructions")
     for reason, by_pc in sorted(reasons.items(), key=lambda kv: -sum(kv[1].values())):
         share = sum(by_pc.values()) / total
