@@ -104,8 +104,8 @@ class KernelConfig:
     power limit, 4.81 ms against cuBLAS's 4.59-4.60 and ping-pong's 5.42-5.46
     (ncu_gate_h100_2026-11-25_early_release.log). It is exact in every test
     (bitwise equal to ping-pong); the tile changes hands on mbarriers every thread arrives on, and
-    compute-sanitizer's memcheck and racecheck were clean on it (sanitize_h100_2026-11-23_mbarrier.log;
-    not re-run after the 2026-11-25 early stage release)."""
+    compute-sanitizer's memcheck and racecheck were clean on it (sanitize_h100_2026-11-23_mbarrier.log,
+    and again after the early stage release: sanitize_h100_2026-11-25.log)."""
     gemm_tile_m: int = int(os.environ.get("TWELL_GEMM_TILE_M", "128"))
     """The gate-times-up GEMM's schedule (dense path). 128: ping-pong (128 x 128 tiles, each consumer
     warpgroup's epilogue hidden behind the other's MMAs); 256: cooperative (256 x 128 tiles, both
