@@ -27,8 +27,9 @@
 //     path saved;
 //   - sparse rows with no active unit: written here (b_down, or zeros).
 // The steps, one launch each: per-block decision and per-row work (pieces, entries), a prefix sum of it
-// (at::cumsum), the entries flattened into one array in row order, then the chunks (a persistent grid,
-// chunks of near-equal piece counts, whole waves).
+// (at::cumsum) in the chunks' row order (RowOrder: scattered, so that every chunk samples the whole
+// call), the entries flattened into one array in that order, then the chunks (a persistent grid, chunks
+// of near-equal piece counts, whole waves).
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -38,6 +39,8 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <numeric>
+#include <tuple>
 
 #include "backup_tile.cuh"
 #include "cluster_launch.cuh"
@@ -78,8 +81,48 @@ __device__ __forceinline__ int64_t pack_work(int entries, int pieces) {
 __device__ __forceinline__ int64_t work_entries(int64_t w) { return w >> 32; }
 __device__ __forceinline__ int64_t work_pieces(int64_t w) { return w & 0xffffffffll; }
 
-// Smallest r in [lo, hi] whose prefix holds at least `pieces` pieces (hi when none does).
-__device__ int64_t first_row_with_pieces(const int64_t* __restrict__ prefix, int64_t lo, int64_t hi, int64_t pieces) {
+// The order in which the chunks take rows: groups of kRowOrderGroup consecutive rows, group position q
+// holding group q * stride mod G (G whole groups, stride coprime to G and near G / golden ratio; rows
+// past the whole groups keep their place), so that a chunk's ~500 consecutive positions are rows from
+// all over the call. A chunk's time follows its entries, and each CTA runs as long as its chunks' sum.
+// Runs of consecutive rows are alike in a real model (the tokens of one sequence): in the 2B-shape
+// model at 64 x 2048 tokens, chunks of consecutive rows gave the busiest CTA 1.1-1.4x the mean
+// entries, and the kernel took 3.0-3.3 ms a layer against 2.7-3.0 ms on the same rows shuffled (H100,
+// 2026-11-25). Groups keep some locality in x and out: on synthetic rows (alike everywhere), scattering
+// single rows cost the whole call 3-8% at 24-38 active units per row, groups of 32 about nothing,
+// while on the model's layers single rows were about 1% faster than groups of 32.
+constexpr int64_t kRowOrderGroup = 32;
+struct RowOrder {
+  int64_t M, group, groups, stride, inverse;  // stride * inverse = 1 mod groups; rows past them stay
+  __device__ __forceinline__ int64_t row_at(int64_t position) const {
+    if (position >= groups * group) return position;
+    return position / group * stride % groups * group + position % group;
+  }
+  __device__ __forceinline__ int64_t position_of(int64_t row) const {
+    if (row >= groups * group) return row;
+    return row / group * inverse % groups * group + row % group;
+  }
+};
+
+RowOrder scattered_row_order(int64_t M, int64_t group) {
+  TORCH_CHECK(M >= 1 && M <= 0x7fffffff && group >= 1, "twell: bad row count for the chunks' order");
+  const int64_t groups = M / group;
+  if (groups <= 1) return RowOrder{M, group, 0, 1, 1};
+  int64_t stride = std::max<int64_t>(1, std::llround(static_cast<double>(groups) * 0.6180339887498949));
+  while (std::gcd(stride, groups) != 1) ++stride;  // ends by groups + 1 at the latest
+  stride %= groups;
+  // The inverse mod groups by the extended Euclidean algorithm (products stay below 2^62).
+  int64_t r0 = groups, r1 = stride, t0 = 0, t1 = 1;
+  while (r1 != 0) {
+    const int64_t q = r0 / r1;
+    std::tie(r0, r1) = std::make_tuple(r1, r0 - q * r1);
+    std::tie(t0, t1) = std::make_tuple(t1, t0 - q * t1);
+  }
+  return RowOrder{M, group, groups, stride, ((t0 % groups) + groups) % groups};
+}
+
+// Smallest position p in [lo, hi] whose prefix holds at least `pieces` pieces (hi when none does).
+__device__ int64_t first_position_with_pieces(const int64_t* __restrict__ prefix, int64_t lo, int64_t hi, int64_t pieces) {
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
     if (work_pieces(prefix[mid]) >= pieces) hi = mid;
@@ -106,14 +149,15 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
 
 // 1. Per 128-row decision block (a CTA each), in two launches, since the second needs every block's
 // first decision.
-//   a. Each row's entries (kept in `work` for b) and the block's path: dense when it has more than
+//   a. Each row's entries (kept in `row_entries` for b) and the block's path: dense when it has more than
 //      max_heavy heavy rows (past kChunkMaxRowEntries) or when its other rows' entries plus heavy_cost
 //      per heavy row exceed its threshold. Dense blocks are counted in counters[1].
 //   b. Where most blocks chose dense, every block goes dense: with the chunks left a minority of the
 //      rows, they could not amortize streaming the weights, and the dense GEMMs barely shrink when
 //      only some 128-row blocks skip (H100, 2B shape, M = 131072, skewed activations with 117 active
 //      units per row on average: 17.5 ms mixed against 15.8 ms all dense). Then each row's work: in a
-//      sparse block its entries and pieces (packed for the prefix sum); a heavy row is listed
+//      sparse block its entries and pieces (packed for the prefix sum, at the row's position in
+//      RowOrder); a heavy row is listed
 //      (heavy_rows, counters[0]) for the compact dense path instead; a row with no entry gets its
 //      output here. Rows of dense blocks have none.
 __global__ void __launch_bounds__(kWorkThreads) decide_blocks_kernel(
@@ -158,8 +202,9 @@ __global__ void __launch_bounds__(kWorkThreads) decide_blocks_kernel(
 
 template <typename T>
 __global__ void __launch_bounds__(kWorkThreads) row_work_kernel(
-    int64_t M, int* __restrict__ decided, int64_t* __restrict__ work, int* __restrict__ heavy_rows,
-    int* __restrict__ counters, const T* __restrict__ b_down, T* __restrict__ out, int D) {
+    int64_t M, RowOrder order, int* __restrict__ decided, const int64_t* __restrict__ row_entries,
+    int64_t* __restrict__ work, int* __restrict__ heavy_rows, int* __restrict__ counters,
+    const T* __restrict__ b_down, T* __restrict__ out, int D) {
   __shared__ int block_dense;
   const int blk = static_cast<int>(blockIdx.x), n_blocks = static_cast<int>(gridDim.x);
   if (threadIdx.x == 0) {
@@ -174,8 +219,7 @@ __global__ void __launch_bounds__(kWorkThreads) row_work_kernel(
   const int rows = static_cast<int>(M - row0 < kDecisionRows ? M - row0 : kDecisionRows);
   for (int r = warp; r < rows; r += kWorkThreads / 32) {
     const int64_t row = row0 + r;
-    const int total = static_cast<int>(work[row]);  // decide_blocks_kernel left the row's entries here
-    __syncwarp();  // every lane has read it before lane 0 overwrites it
+    const int total = static_cast<int>(row_entries[row]);
     int64_t w = 0;
     if (!dense) {
       if (total == 0) {
@@ -187,7 +231,7 @@ __global__ void __launch_bounds__(kWorkThreads) row_work_kernel(
         heavy_rows[atomicAdd(&counters[0], 1)] = static_cast<int>(row);
       }
     }
-    if (lane == 0) work[row] = w;
+    if (lane == 0) work[order.position_of(row)] = w;
   }
 }
 
@@ -222,18 +266,20 @@ __device__ void sort_piece_by_bank(uint32_t* __restrict__ piece, int n, int lane
 }
 
 // 2. Per row taken (a warp each): its entries, in the row-by-row kernel's order (tile by tile, packed
-// slots, or the dense backup of tiles past capacity), into entries[] at the row's offset, one word each:
+// slots, or the dense backup of tiles past capacity), into entries[] at the row's offset (the prefix at
+// its position in RowOrder), one word each:
 // value bits << 16 | unit; then each piece's entries sorted by bank group (above).
 template <typename T>
 __global__ void __launch_bounds__(kWorkThreads) flatten_entries_kernel(
     const uint32_t* __restrict__ packed, const int* __restrict__ counts, const T* __restrict__ dense,
-    const int64_t* __restrict__ prefix, int64_t M, int n_tiles, int cap, int tile_n, int F,
+    const int64_t* __restrict__ prefix, int64_t M, RowOrder order, int n_tiles, int cap, int tile_n, int F,
     uint32_t* __restrict__ entries) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kWorkThreads / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (row >= M) return;
-  const int64_t begin = work_entries(prefix[row]);
-  if (work_entries(prefix[row + 1]) == begin) return;
+  const int64_t position = order.position_of(row);
+  const int64_t begin = work_entries(prefix[position]), end = prefix[position + 1];
+  if (work_entries(end) == begin) return;
   uint32_t* dst = entries + begin;
   int carry = 0;
   for (int t0 = 0; t0 < n_tiles; t0 += 32) {
@@ -272,8 +318,8 @@ __global__ void __launch_bounds__(kWorkThreads) flatten_entries_kernel(
     }
   }
   __syncwarp();  // the row's entries are written (and visible to the warp)
-  const int len = static_cast<int>(work_entries(prefix[row + 1]) - begin);
-  const int parts = static_cast<int>(work_pieces(prefix[row + 1]) - work_pieces(prefix[row]));
+  const int len = static_cast<int>(work_entries(end) - begin);
+  const int parts = static_cast<int>(work_pieces(end) - work_pieces(prefix[position]));
   for (int part = 0; part < parts; ++part)
     sort_piece_by_bank(dst + len * part / parts, len * (part + 1) / parts - len * part / parts, lane);
 }
@@ -388,7 +434,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
     const T* __restrict__ w_down_sliced,  // [D / 8, F, 8]: W_down^T's columns, sliced
     const T* __restrict__ b_down,         // [D] or null
     T* __restrict__ out,                  // [M, D]
-    const uint32_t* __restrict__ entries, const int64_t* __restrict__ prefix, int64_t M, int K, int D, int F) {
+    const uint32_t* __restrict__ entries, const int64_t* __restrict__ prefix, RowOrder row_order, int K, int D, int F) {
+  const int64_t M = row_order.M;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t slice_bytes = static_cast<uint32_t>(F) * kSlice * sizeof(T);
   const uint32_t buffer_bytes = slice_bytes + kZeroUnits * kSlice * sizeof(T);  // the slice, then the zero units
@@ -396,7 +443,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
   const uint32_t slices_addr = ptx::smem_addr(slices);
   float4* partials = reinterpret_cast<float4*>(smem + 2 * buffer_bytes);  // [2][kChunkThreads][2]
   uint64_t* full = reinterpret_cast<uint64_t*>(partials + 2 * kChunkThreads * 2);  // [2]: a slice landed
-  int64_t* chunk_rows = reinterpret_cast<int64_t*>(full + 2);
+  int64_t* chunk_positions = reinterpret_cast<int64_t*>(full + 2);  // the chunk's range in RowOrder
   // At a chunk's start, in the partials' space: per class and entry count, which of the class's 64
   // threads hold such a piece (a bit each) and where the count's pieces start; then the order.
   unsigned long long* bucket_threads = reinterpret_cast<unsigned long long*>(partials);  // [8][kCountBuckets]
@@ -444,24 +491,24 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
   for (int i = 0; i < my_chunks; ++i) {
     const int64_t chunk = blockIdx.x + static_cast<int64_t>(i) * grid;
     __syncthreads();  // everyone is done with the previous chunk (its row range, its partials)
-    if (tid < 2) chunk_rows[tid] = first_row_with_pieces(prefix, 0, M, (chunk + tid) * chunk_size);
+    if (tid < 2) chunk_positions[tid] = first_position_with_pieces(prefix, 0, M, (chunk + tid) * chunk_size);
     for (int b = tid; b < 8 * kCountBuckets<T>; b += kChunkThreads) bucket_threads[b] = 0ull;
     __syncthreads();
-    const int64_t row_begin = chunk_rows[0], row_end = chunk_rows[1];
-    const int64_t piece = work_pieces(prefix[row_begin]) + tid;
+    const int64_t begin = chunk_positions[0], end = chunk_positions[1];
+    const int64_t piece = work_pieces(prefix[begin]) + tid;
 
     // This thread's natural piece (the chunk's tid-th): its row and entries.
     PieceOrder mine{0, 0, 0, tid};
     int natural_count = 0;
-    if (piece < work_pieces(prefix[row_end])) {
-      const int64_t row = first_row_with_pieces(prefix, row_begin, row_end, piece + 1) - 1;
-      const int64_t here = prefix[row], next = prefix[row + 1];
+    if (piece < work_pieces(prefix[end])) {
+      const int64_t position = first_position_with_pieces(prefix, begin, end, piece + 1) - 1;
+      const int64_t here = prefix[position], next = prefix[position + 1];
       const int len = static_cast<int>(work_entries(next) - work_entries(here));
       const int parts = static_cast<int>(work_pieces(next) - work_pieces(here));
       const int part = static_cast<int>(piece - work_pieces(here));
       const int a = len * part / parts, b = len * (part + 1) / parts;
       natural_count = b - a;
-      mine.row = static_cast<int>(row);
+      mine.row = static_cast<int>(row_order.row_at(position));
       mine.first_entry = static_cast<int>(work_entries(here) + a);
       mine.count_and_parts = natural_count | (part == 0 ? parts : 0) << 8;
     }
@@ -659,7 +706,8 @@ void run_chunked(const c10::optional<at::Tensor>& x, const at::Tensor& packed, c
   const int cap = static_cast<int>(packed.size(2));
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const auto longs = out.options().dtype(at::kLong);
-  at::Tensor work = at::empty({M}, longs);
+  at::Tensor row_entries = at::empty({M}, longs);  // by row
+  at::Tensor work = at::empty({M}, longs);         // by position in RowOrder, as prefix
   at::Tensor prefix = at::empty({M + 1}, longs);
   at::Tensor entries = at::empty({max_entries}, out.options().dtype(at::kInt));
   C10_CUDA_CHECK(cudaMemsetAsync(prefix.data_ptr(), 0, sizeof(int64_t), stream));
@@ -667,18 +715,19 @@ void run_chunked(const c10::optional<at::Tensor>& x, const at::Tensor& packed, c
   const int64_t heavy_cost = std::max<int64_t>(1, thr_full / kDecisionRows);  // a row at the threshold density
   decide_blocks_kernel<<<n_blocks, kWorkThreads, 0, stream>>>(counts.data_ptr<int>(), n_tiles, M, thr_full, thr_last,
                                                               max_heavy, heavy_cost, decided.data_ptr<int>(),
-                                                              work.data_ptr<int64_t>(), counters.data_ptr<int>());
+                                                              row_entries.data_ptr<int64_t>(), counters.data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  row_work_kernel<T><<<n_blocks, kWorkThreads, 0, stream>>>(M, decided.data_ptr<int>(), work.data_ptr<int64_t>(),
-                                                            heavy_rows.data_ptr<int>(), counters.data_ptr<int>(),
-                                                            data_or_null<T>(b_down), reinterpret_cast<T*>(out.data_ptr()), D);
+  const RowOrder order = scattered_row_order(M, kRowOrderGroup);
+  row_work_kernel<T><<<n_blocks, kWorkThreads, 0, stream>>>(
+      M, order, decided.data_ptr<int>(), row_entries.data_ptr<int64_t>(), work.data_ptr<int64_t>(),
+      heavy_rows.data_ptr<int>(), counters.data_ptr<int>(), data_or_null<T>(b_down), reinterpret_cast<T*>(out.data_ptr()), D);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   at::Tensor prefix_tail = prefix.narrow(0, 1, M);
   at::cumsum_out(prefix_tail, work, 0);
   const unsigned row_blocks = static_cast<unsigned>((M + kWorkThreads / 32 - 1) / (kWorkThreads / 32));
   flatten_entries_kernel<T><<<row_blocks, kWorkThreads, 0, stream>>>(
       reinterpret_cast<const uint32_t*>(packed.data_ptr<int>()), counts.data_ptr<int>(),
-      reinterpret_cast<const T*>(dense.data_ptr()), prefix.data_ptr<int64_t>(), M, n_tiles, cap,
+      reinterpret_cast<const T*>(dense.data_ptr()), prefix.data_ptr<int64_t>(), M, order, n_tiles, cap,
       static_cast<int>(tile_n), F, reinterpret_cast<uint32_t*>(entries.data_ptr<int>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const size_t smem = chunked_smem_bytes(F, sizeof(T));
@@ -687,7 +736,7 @@ void run_chunked(const c10::optional<at::Tensor>& x, const at::Tensor& packed, c
     chunk_launch.run(kernel, gated ? reinterpret_cast<const T*>(x->data_ptr()) : nullptr, data_or_null<T>(w_up_sliced),
                      data_or_null<T>(b_up), reinterpret_cast<const T*>(w_down_sliced.data_ptr()), data_or_null<T>(b_down),
                      reinterpret_cast<T*>(out.data_ptr()), reinterpret_cast<const uint32_t*>(entries.data_ptr<int>()),
-                     static_cast<const int64_t*>(prefix.data_ptr<int64_t>()), M, K, D, F);
+                     static_cast<const int64_t*>(prefix.data_ptr<int64_t>()), order, K, D, F);
   };
   if (gated) launch(chunked_mlp_kernel<T, true>);
   else launch(chunked_mlp_kernel<T, false>);

@@ -80,12 +80,17 @@ def print_kernel_times(label: str, rows: list[tuple[str, float, int]]) -> None:
         print(f"  {ms:9.2f} ms  {n:5d}x  {name[:110]}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model's shape and sparsity (also used by profile_model_layers.py)."""
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=38)
-    parser.add_argument("--nnz", type=float, default=24.0)
+    parser.add_argument("--nnz", type=float, default=24.0, help="active units per row the gate biases aim at")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="GPU time per kernel of one forward of each")
     args = parser.parse_args()

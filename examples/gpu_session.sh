@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent GPU: install, build the kernels, run the CUDA tests, sanitizers and benchmarks.
-#   bash examples/gpu_session.sh [smoke|test|sanitize|bench-mlp|bench-host|bench-model|profile|sweep|all] [args...]
+#   bash examples/gpu_session.sh [smoke|test|sanitize|bench-mlp|bench-host|bench-model|profile|sweep|script NAME.py|all] [args...]
 # Extra arguments go to pytest (test, e.g. -n 4 with pytest-xdist) or to the script run.
 # Wheels for packages the GPU image lacks (expecttest) may be carried in .whl/.
 set -uo pipefail
@@ -32,5 +32,6 @@ case $what in
   profile) python3 "$REPO/examples/profile_twell.py" "${@:2}" 2>&1 | tee -a "$OUT/profile.log" ;;
   sweep) python3 "$REPO/examples/sweep_sparse_launch.py" "${@:2}" 2>&1 | tee -a "$OUT/sweep.log" ;;
   bench-model) python3 "$REPO/examples/bench_model.py" "${@:2}" 2>&1 | tee "$OUT/bench_model.log" ;;
+  script) python3 "$REPO/examples/$2" "${@:3}" 2>&1 | tee -a "$OUT/script.log" ;;
   all) run_tests; python3 "$REPO/examples/bench_mlp.py" --json "$OUT/bench_mlp.json" 2>&1 | tee "$OUT/bench_mlp.log" ;;
 esac
