@@ -89,8 +89,9 @@ __device__ __forceinline__ int64_t work_pieces(int64_t w) { return w & 0xfffffff
 // model at 64 x 2048 tokens, chunks of consecutive rows gave the busiest CTA 1.1-1.4x the mean
 // entries, and the kernel took 3.0-3.3 ms a layer against 2.7-3.0 ms on the same rows shuffled (H100,
 // 2026-11-25). Groups keep some locality in x and out: on synthetic rows (alike everywhere), scattering
-// single rows cost the whole call 3-8% at 24-38 active units per row, groups of 32 about nothing,
-// while on the model's layers single rows were about 1% faster than groups of 32.
+// single rows cost the whole call 1-15% at 24-38 active units per row in two runs (the kernel alone
+// about 3% at 24), groups of 32 about nothing, while on the model's layers single rows were about 1%
+// faster than groups of 32.
 constexpr int64_t kRowOrderGroup = 32;
 struct RowOrder {
   int64_t M, group, groups, stride, inverse;  // stride * inverse = 1 mod groups; rows past them stay
