@@ -1,7 +1,8 @@
 """The twell MLP on each layer's real input from the whole-model benchmark, one layer at a time.
 
-``bench_model.py`` measures the chunked sparse kernel at about 3.3 ms a layer in the 2B-shape model,
-where a synthetic call at the model's mean active units per row takes about 2.8 ms. This script
+``bench_model.py`` measured the chunked sparse kernel at about 3.3 ms a layer in the 2B-shape model,
+where a synthetic call at the model's mean active units per row took about 2.8 ms (H100, 2026-11-25,
+before the chunks took rows in a scattered order: README, "The chunks' row order"). This script
 captures every layer's MLP input from one forward pass of the same model (same calibration), then
 for each layer prints the activation's shape as the chunked kernel sees it (active units per row:
 mean, spread, share of rows past one piece; pieces and waves of chunks; how unevenly units and bank
@@ -90,7 +91,7 @@ def cta_entry_spread(counts: torch.Tensor, sms: int) -> float:
 
 
 def kernel_ms(call, reps: int = 3) -> dict[str, float]:
-    """Mean GPU time per call of each kernel, by a short name."""
+    """Mean GPU time per call: "chunked" (the chunked kernel) and "all" (every kernel of the op)."""
     call()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -101,7 +102,7 @@ def kernel_ms(call, reps: int = 3) -> dict[str, float]:
     for e in prof.key_averages():
         if "CUDA" not in str(e.device_type) or e.device_time_total <= 0:  # kernels only
             continue
-        name = "chunked" if "chunked_mlp" in e.key else ("gate" if "Epilogue)0" in e.key else None)
+        name = "chunked" if "chunked_mlp" in e.key else None
         total = e.device_time_total
         out["all"] = out.get("all", 0.0) + total / reps / 1000
         if name:
