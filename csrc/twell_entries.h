@@ -68,6 +68,13 @@ void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optio
                       const c10::optional<at::Tensor>& split_arrivals);
 void rebuild_dense_gate(const at::Tensor& packed, const at::Tensor& counts, at::Tensor& dense,
                         const at::Tensor& block_nnz, int64_t thr_full, int64_t thr_last, int64_t thr_heavy);
+// The whole MLP densely through PyTorch's GEMMs (cuBLAS), for calls too small for a TwELL path to pay
+// (twell_cublas_mlp.cu): (out, act), act the gate's pre-activation (gated) or relu(up) (non-gated).
+std::tuple<at::Tensor, at::Tensor> cublas_mlp(const at::Tensor& x, const at::Tensor& w_act,
+                                              const c10::optional<at::Tensor>& b_act,
+                                              const c10::optional<at::Tensor>& w_up,
+                                              const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down,
+                                              const c10::optional<at::Tensor>& b_down);
 
 // Rows that TMA (the wgmma GEMMs) and 16-byte vector loads (the GEMVs) can read: a 2-D tensor with unit
 // column stride, its base and row stride 16-byte aligned.

@@ -63,6 +63,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "relu(gate) of the dense blocks' rows into dense, from the TwELL format (csrc/twell_gate_rebuild.cu)",
         pybind11::arg("packed"), pybind11::arg("counts"), pybind11::arg("dense"), pybind11::arg("block_nnz"),
         pybind11::arg("thr_full"), pybind11::arg("thr_last"), pybind11::arg("thr_heavy"));
+  m.def("cublas_mlp", &twell::cublas_mlp,
+        "The MLP densely through PyTorch's GEMMs (cuBLAS) and one relu-times-up pass: (out, act), act the gate's "
+        "pre-activation (gated) or relu(up) (non-gated) (csrc/twell_cublas_mlp.cu)",
+        pybind11::arg("x"), pybind11::arg("w_act"), pybind11::arg("b_act"), pybind11::arg("w_up"),
+        pybind11::arg("b_up"), pybind11::arg("w_down"), pybind11::arg("b_down"));
   pybind11::class_<twell::MlpPlan>(m, "MlpPlan", "Shape-derived launch choices of one twell MLP call (csrc/twell_entries.h)")
       .def(pybind11::init<>())
       .def_readwrite("cap", &twell::MlpPlan::cap)

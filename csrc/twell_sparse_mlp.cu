@@ -94,8 +94,14 @@ __device__ int scan_tile_counts(const int* __restrict__ counts, int n_tiles, int
 // over all output columns; the partial outputs meet in shared memory and each CTA adds up its share of
 // the columns over distributed shared memory, in rank order. A CTA's sequential work (its latency, which
 // bounds small batches) is then a fraction of the row's entries rather than all of them.
+// Past decode sizes (128 threads, a CTA per row) with at most two column groups per thread, 8 CTAs per
+// SM instead of the 7 that 72 registers allow: a call of 1024 rows, which then ran in two waves of
+// 924 and 100 CTAs on 132 SMs, fits in one (at the cost of a few spilled bytes).
+template <int kThreads, int NV, bool kEntrySplit>
+constexpr int kSparseMinBlocks = (kThreads == 128 && NV <= 2 && !kEntrySplit) ? 8 : 1;
+
 template <typename T, int VEC, int NV, bool GATED, int kThreads, bool kEntrySplit>
-__global__ void __launch_bounds__(kThreads) sparse_mlp_kernel(
+__global__ void __launch_bounds__(kThreads, (kSparseMinBlocks<kThreads, NV, kEntrySplit>)) sparse_mlp_kernel(
     const T* __restrict__ x,            // [M, K] (gated only)
     const uint32_t* __restrict__ packed,  // [M, n_tiles, cap]: value bits << 16 | column in tile
     const int* __restrict__ counts,     // [M, n_tiles], true count (may exceed cap)

@@ -25,7 +25,8 @@ case $what in
   test) run_tests "${@:2}" ;;
   sanitize)
     for tool in memcheck racecheck; do
-      compute-sanitizer --tool $tool --target-processes all python3 "$REPO/examples/sanitize_case.py" 2>&1 | tail -6
+      compute-sanitizer --tool $tool --target-processes all python3 "$REPO/examples/sanitize_case.py" 2>&1 |
+        tee "$OUT/sanitize_$tool.log" | tail -6
     done ;;
   bench-mlp) python3 "$REPO/examples/bench_mlp.py" --json "$OUT/bench_mlp.json" "${@:2}" 2>&1 | tee "$OUT/bench_mlp.log" ;;
   bench-host) python3 "$REPO/examples/bench_host_time.py" "${@:2}" 2>&1 | tee "$OUT/bench_host.log" ;;

@@ -7,6 +7,8 @@ from twell_compile.kernels import twell_mlp
 from twell_compile.testing import make_problem
 
 default_num_sms = twell_mlp._num_sms
+default_cublas_rows = twell_mlp.config.cublas_rows
+twell_mlp.config.cublas_rows = (1, 0)  # every case below on the TwELL kernels, whatever its size
 
 for m, (k, f, d), gated, density in [(7, (257, 1031, 131), True, float("inf")), (300, (264, 1000, 200), False, 0.01),
                                      (130, (2048, 5632, 2048), True, 0.0),
@@ -45,3 +47,12 @@ for m, (k, f, d), gated, density in [(7, (257, 1031, 131), True, float("inf")), 
     out = torch.ops.twell.gated_relu_mlp(*p.gated_args()) if gated else torch.ops.twell.relu_mlp(*p.non_gated_args())
     torch.cuda.synchronize()
     print("ok", m, k, f, d, gated, density, tuple(out.shape), bool(out.isfinite().all()))
+
+# The cuBLAS route (config.cublas_rows): its relu-times-up pass (csrc/twell_cublas_mlp.cu) over a
+# multiple of 8 values and with a tail of 7 (65 x 1031 values).
+twell_mlp.config.cublas_rows = default_cublas_rows
+for m, (k, f, d), gated in [(256, (2048, 5632, 2048), True), (65, (257, 1031, 131), True), (300, (264, 1000, 200), False)]:
+    p = make_problem(m, k, f, d, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0,))
+    out = torch.ops.twell.gated_relu_mlp(*p.gated_args()) if gated else torch.ops.twell.relu_mlp(*p.non_gated_args())
+    torch.cuda.synchronize()
+    print("ok cublas", m, k, f, d, gated, tuple(out.shape), bool(out.isfinite().all()))

@@ -8,8 +8,9 @@ picks the entry split for calls of at most 128 rows; this measures where it pays
 ``path/dense`` time the plan's own launch with every block forced onto the sparse or the dense path,
 which shows where the device-side choice between them should switch. ``ksplit/N`` sets the K ranges
 per tile of the wgmma GEMMs (gate, and the dense path past 64 rows); ``chunked/R`` runs the chunked
-sparse kernel (csrc/twell_sparse_chunked.cu) for calls of at least R rows (0: never); parts combine
-with ``+``.
+sparse kernel (csrc/twell_sparse_chunked.cu) for calls of at least R rows (0: never); ``cublas/A-B``
+the dense MLP through cuBLAS for calls of A to B rows (``cublas/0``: never); ``gatetile/128`` or
+``/256`` the gate GEMM's schedule (config.gate_gemm_tile_m); parts combine with ``+``.
 
     python examples/sweep_sparse_launch.py --m 128 256 512 1024 2048 4096 --nnz 24 39
 """
@@ -33,6 +34,8 @@ default_thresholds = (twell_mlp.config.dense_block_density, twell_mlp.config.dec
 default_k_splits = twell_mlp.config.gemm_k_splits
 default_factor = twell_mlp.config.small_batch_density_factor
 default_chunked_rows = twell_mlp.config.chunked_sparse_rows
+default_cublas_rows = twell_mlp.config.cublas_rows
+default_gate_tile_m = twell_mlp.config.gate_gemm_tile_m
 
 
 def dense_mlp(x, wg, wu, wd):
@@ -45,7 +48,9 @@ def use_choice(choice: str) -> None:
     onto one path; ``heavy/N`` and ``density/X`` keep it and set one threshold of the dense-block test
     (``density/X`` the large-call density, which calls of 129-4096 rows scale by ``factor/F``);
     ``ksplit/N`` sets the wgmma GEMMs' K ranges per tile (0: their own choice, 1: no split);
-    ``chunked/R`` runs the chunked sparse kernel from R rows on (0: never). Parts
+    ``chunked/R`` runs the chunked sparse kernel from R rows on (0: never); ``cublas/A-B`` gives calls of
+    A to B rows to cuBLAS's dense MLP (``cublas/0``: none, the TwELL path everywhere); ``gatetile/T``
+    sets the gate GEMM's schedule (128 ping-pong, 256 cooperative where its tiles fill the GPU). Parts
     joined by ``+`` combine (``path/dense+ksplit/1``)."""
     twell_mlp._column_splits = default_column_splits
     twell_mlp._sparse_threads, twell_mlp._sparse_cluster = default_threads, default_cluster
@@ -55,6 +60,8 @@ def use_choice(choice: str) -> None:
     cfg.gemm_k_splits = default_k_splits
     cfg.small_batch_density_factor = default_factor
     cfg.chunked_sparse_rows = default_chunked_rows
+    cfg.cublas_rows = default_cublas_rows
+    cfg.gate_gemm_tile_m = default_gate_tile_m
     for part in choice.split("+"):
         _apply(part)
     twell_mlp._PLANS.clear()
@@ -79,6 +86,10 @@ def _apply(part: str) -> None:
         cfg.gemm_k_splits = int(value)
     elif kind == "chunked":
         cfg.chunked_sparse_rows = int(value)
+    elif kind == "cublas":
+        cfg.cublas_rows = twell_mlp._row_range(value)
+    elif kind == "gatetile":
+        cfg.gate_gemm_tile_m = int(value)
     elif kind == "columns":
         twell_mlp._sparse_threads = lambda m, threads=int(value): threads
         twell_mlp._sparse_cluster = lambda m, sms: 1
@@ -103,7 +114,9 @@ def main() -> None:
                              "heavy/TILES or density/FRACTION (the plan's launch, that dense-block threshold set; "
                              "calls of 129-4096 rows scale the density by factor/F, default 0.68), "
                              "ksplit/N (the wgmma GEMMs' K ranges per tile; 0 their own choice), chunked/R (the "
-                             "chunked sparse kernel from R rows on; 0 never); join with +")
+                             "chunked sparse kernel from R rows on; 0 never), cublas/A-B (calls of A-B rows "
+                             "through cuBLAS; cublas/0 never), gatetile/128 or gatetile/256 (the gate GEMM's "
+                             "schedule); join with +")
     args = parser.parse_args()
     rows = []
     for m in args.m:

@@ -22,7 +22,8 @@ from twell_compile.testing import _normal_quantile, make_problem
 
 pytestmark = pytest.mark.cuda
 
-CHUNKED = dict(chunked_sparse_rows=129)  # every call past the entry-split sizes
+# Every call past the entry-split sizes, the ones the plan would give to cuBLAS included.
+CHUNKED = dict(chunked_sparse_rows=129, cublas_rows=(1, 0))
 
 
 def _run_chunked(problem, gated, path="auto", **extra):

@@ -34,17 +34,22 @@ def kernel_config(**overrides):
             setattr(twell_mlp.config, k, v)
 
 
-# Dense-path decision forced one way or the other, and the default (device-side, per 128-row block).
+# The TwELL kernels at every row count: calls the plan would hand to cuBLAS (config.cublas_rows) too.
+KERNELS_ONLY = dict(cublas_rows=(1, 0))
+# Dense-path decision forced one way or the other, and the kernels' own (device-side, per 128-row
+# block), all on the TwELL kernels; "default" is the op as shipped, cuBLAS route included.
 PATHS = {
     "sparse": dict(dense_block_density=float("inf"), decode_dense_block_density=float("inf"),
-                   chunked_dense_block_density=float("inf"), heavy_block_overflow_tiles=2**31 - 1),
-    "dense": dict(dense_block_density=0.0, decode_dense_block_density=0.0, chunked_dense_block_density=0.0),
-    "auto": {},
+                   chunked_dense_block_density=float("inf"), heavy_block_overflow_tiles=2**31 - 1, **KERNELS_ONLY),
+    "dense": dict(dense_block_density=0.0, decode_dense_block_density=0.0, chunked_dense_block_density=0.0,
+                  **KERNELS_ONLY),
+    "auto": KERNELS_ONLY,
 }
+DEFAULT = "default"
 
 
 def _run(problem, gated: bool, path: str):
-    overrides = {"poison_buffers": True, **PATHS[path]}
+    overrides = {"poison_buffers": True, **({} if path == DEFAULT else PATHS[path])}
     with kernel_config(**overrides):
         if gated:
             out = torch.ops.twell.gated_relu_mlp(*problem.gated_args())
@@ -82,7 +87,7 @@ SHAPES = [
 def test_uniform_sparsity(m, shape, dtype, bias, gated):
     k, f, d = shape
     problem = make_problem(m, k, f, d, nnz_per_row=min(24.0, f / 8), gated=gated, bias=bias, dtype=dtype)
-    for path in ("auto", "sparse", "dense"):
+    for path in (DEFAULT, "auto", "sparse", "dense"):
         _check(*_run(problem, gated, path), f"m={m} {shape} {dtype} bias={bias} gated={gated} {path}")
 
 
@@ -162,8 +167,9 @@ def test_no_aliasing_and_inputs_untouched():
 
 
 @requires_twell_kernels
-def test_cuda_graph_capture_and_replay():
-    problem = make_problem(512, 2048, 5632, nnz_per_row=24.0, bias=True)
+@pytest.mark.parametrize("m", [300, 1024])  # the cuBLAS route, the TwELL kernels
+def test_cuda_graph_capture_and_replay(m):
+    problem = make_problem(m, 2048, 5632, nnz_per_row=24.0, bias=True)
     args = problem.gated_args()
     static_x = args[0].clone()
     torch.ops.twell.gated_relu_mlp(static_x, *args[1:])  # warm-up: build, Triton JIT, weight cache
@@ -172,7 +178,7 @@ def test_cuda_graph_capture_and_replay():
     with torch.cuda.graph(graph):
         static_out = torch.ops.twell.gated_relu_mlp(static_x, *args[1:])
     for _ in range(2):
-        fresh = make_problem(512, 2048, 5632, nnz_per_row=24.0)
+        fresh = make_problem(m, 2048, 5632, nnz_per_row=24.0)
         static_x.copy_(fresh.x)
         graph.replay()
         torch.cuda.synchronize()
@@ -182,7 +188,7 @@ def test_cuda_graph_capture_and_replay():
 
 @requires_twell_kernels
 def test_weight_update_invalidates_transposed_cache():
-    problem = make_problem(256, 256, 512, nnz_per_row=16.0)
+    problem = make_problem(640, 256, 512, nnz_per_row=16.0)  # past the cuBLAS route: the kernels use the cache
     args = list(problem.gated_args())
     torch.ops.twell.gated_relu_mlp(*args)
     with torch.no_grad():
@@ -289,7 +295,7 @@ def test_one_call_path_matches_the_step_by_step_path_bitwise(gated, path, m, mon
     p = make_problem(m, k, f, d, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0,))
     act = (p.gate_weight, p.gate_bias, p.up_weight, p.up_bias) if gated else (p.up_weight, p.up_bias, None, None)
     ext = build.cuda_extension()
-    with kernel_config(poison_buffers=True, **PATHS[path]):
+    with kernel_config(poison_buffers=True, **PATHS[path]):  # KERNELS_ONLY: m = 100 and 300 too
         plan = twell_mlp.call_plan(m, f, d, p.x.device)
         w_down_t = twell_mlp.DOWN_WEIGHT_T.get(p.down_weight)
         one_call = ext.mlp_forward(plan.cuda, p.x, *act, p.down_weight, w_down_t, p.down_bias)

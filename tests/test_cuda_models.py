@@ -60,6 +60,15 @@ def _sparse_model(name: str) -> torch.nn.Module:
     return model.to(device="cuda", dtype=torch.bfloat16).eval()
 
 
+@pytest.fixture(autouse=True)
+def _twell_kernels_at_every_size(monkeypatch):
+    """The models run 256 tokens, which the plan would give to cuBLAS (config.cublas_rows): these tests
+    are about the TwELL kernels running inside compiled models, so the route is switched off here."""
+    from twell_compile.kernels import twell_mlp
+
+    monkeypatch.setattr(twell_mlp.config, "cublas_rows", (1, 0))
+
+
 def _twell_calls(recorder) -> list:
     return [call for call in recorder.calls() if call.op in ("gated_relu_mlp", "relu_mlp")]
 

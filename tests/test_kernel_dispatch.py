@@ -197,6 +197,10 @@ def test_step_by_step_path_launches_what_the_one_call_path_launches(monkeypatch)
             calls.append("mlp_forward")
             return None
 
+        def cublas_mlp(self, x, w_act, *args):
+            calls.append("cublas_mlp")
+            return x.new_empty(x.shape[0], args[-2].shape[0]), x.new_empty(x.shape[0], w_act.shape[0])
+
         def __getattr__(self, name):
             return lambda *args: calls.append(name)
 
@@ -204,6 +208,7 @@ def test_step_by_step_path_launches_what_the_one_call_path_launches(monkeypatch)
     monkeypatch.setattr(twell_mlp, "_PLANS", {})
     monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
     monkeypatch.setattr(build, "cuda_extension", lambda: ext)
+    monkeypatch.setattr(twell_mlp.config, "cublas_rows", (1, 0))  # M = 300 on the kernels
     expected = {
         (16, True): ["decode_gate_twell", "sparse_mlp_out", "decode_dense_gemv", "decode_dense_gemv"],
         (16, False): ["decode_gate_twell", "sparse_mlp_out", "rebuild_dense_gate", "decode_dense_gemv"],
@@ -218,3 +223,37 @@ def test_step_by_step_path_launches_what_the_one_call_path_launches(monkeypatch)
         out = twell_mlp.twell_mlp(x, weight, None, weight if gated else None, None, down, None)
         assert out.shape == (m, 32)
         assert calls == ["mlp_forward", *kernels], (m, gated)
+    # With the default cuBLAS rows, M = 300 is one call to the dense MLP through cuBLAS, and nothing else.
+    monkeypatch.setattr(twell_mlp.config, "cublas_rows", (65, 512))
+    for gated in (True, False):
+        calls.clear()
+        out = twell_mlp.twell_mlp(torch.randn(300, 32, dtype=torch.bfloat16), weight, None, weight if gated else None,
+                                  None, down, None)
+        assert out.shape == (300, 32) and calls == ["cublas_mlp"], gated
+
+
+def test_cublas_rows_are_a_host_side_choice_by_row_count(monkeypatch):
+    """Calls of 65-512 rows (the default) run the dense MLP through cuBLAS; the setting moves the range
+    ("A-B", both ends included) or switches it off ("0"), and a changed setting drops the cached plans."""
+    import types
+
+    import pytest
+
+    from twell_compile.kernels import build
+
+    ext = types.SimpleNamespace(MlpPlan=types.SimpleNamespace, chunked_sparse_fits=lambda *args: True)
+    monkeypatch.setattr(twell_mlp, "_PLANS", {})
+    monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(build, "cuda_extension", lambda: ext)
+    device = torch.device("cuda", 0)
+    assert twell_mlp._row_range("65-512") == (65, 512) == twell_mlp.KernelConfig().cublas_rows
+    monkeypatch.setattr(twell_mlp.config, "cublas_rows", (65, 512))
+    routed = {m: twell_mlp.call_plan(m, 5632, 2048, device).cublas for m in (1, 64, 65, 300, 512, 513, 131072)}
+    assert routed == {1: False, 64: False, 65: True, 300: True, 512: True, 513: False, 131072: False}
+    assert twell_mlp.call_plan(300, 5632, 2048, device).cuda is None
+    monkeypatch.setattr(twell_mlp.config, "cublas_rows", twell_mlp._row_range("0"))
+    assert not twell_mlp.call_plan(300, 5632, 2048, device).cublas
+    assert twell_mlp._row_range("") == (1, 0)
+    for bad in ("512", "0-10", "100-65", "a-b"):
+        with pytest.raises(ValueError, match="row range"):
+            twell_mlp._row_range(bad)

@@ -1,6 +1,8 @@
 """The TwELL path of the twell ops on CUDA: gate GEMM with packing epilogue, then sparse up + down.
 
-Per call, all on PyTorch's current stream, allocations through its caching allocator, no host sync:
+Per call, all on PyTorch's current stream, allocations through its caching allocator, no host sync
+(calls of ``config.cublas_rows`` rows, 65-512 by default, instead run the dense MLP through cuBLAS,
+``csrc/twell_cublas_mlp.cu``: no TwELL path beats it there):
   1. the gate GEMM (``csrc/twell_gemm.cu``: TMA + wgmma, warp-specialised, on 128 x 128 tiles, in CTA
      pairs sharing x tiles where there are enough tiles; at most 64 rows, the split-K GEMV of
      ``csrc/twell_decode_gemv.cu``; the Triton ``gate_twell_kernel`` for rows TMA cannot load, or with
@@ -43,6 +45,16 @@ DECISION_ROWS = triton_kernels.DECISION_ROWS
 
 _PLANS: dict[tuple, "CallPlan"] = {}  # per (rows, intermediate, output features, device); see call_plan()
 _MAX_PLANS = 4096
+
+
+def _row_range(text: str) -> tuple[int, int]:
+    """``"A-B"`` as (A, B); ``"0"`` or ``""`` as an empty range."""
+    if text.strip() in ("", "0"):
+        return (1, 0)
+    low, sep, high = text.strip().partition("-")
+    if not (sep and low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
+        raise ValueError(f"twell: a row range is 'A-B' with 1 <= A <= B, or '0' for none; got {text!r}")
+    return (int(low), int(high))
 
 
 @dataclasses.dataclass
@@ -146,6 +158,15 @@ class KernelConfig:
     helps the row-by-row kernel's caches) it was 1.3% slower: 1026.7 against 1013.8 ms. Its rows of
     more than 256 active units run as a compact dense MLP (csrc/twell_heavy_rows.cu), whose buffers
     take up to an eighth of the call's rows (about 320 MB at M = 131072, 2B shape) while it runs."""
+    cublas_rows: tuple[int, int] = _row_range(os.environ.get("TWELL_CUBLAS_ROWS", "65-512"))
+    """Calls whose row count lies in this range (both ends included; ``TWELL_CUBLAS_ROWS="A-B"``, ``"0"``
+    for none) run the dense MLP through PyTorch's GEMMs (cuBLAS, ``csrc/twell_cublas_mlp.cu``) instead
+    of a TwELL path. There no TwELL path measured faster than cuBLAS on the 2B shape: at 65-256 rows
+    our gate GEMM alone takes 19-22 us where cuBLAS's takes 12.5-14, and the sparse kernel runs about
+    one wave, paced by its heaviest rows (H100, CUDA graphs, 2026-11-23: M = 128, 48.8 against 43.7 us
+    dense at 24 active units per row; M = 256, 62.0 against 51.7; skewed calls 0.35-0.65x dense).
+    The choice is by row count only, on the host: no sync, and the same result whatever the
+    activation. README, "Calls of 65-512 rows"."""
     tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
     """Let the Triton kernels load through TMA descriptors where rows allow (off: pointer loads)."""
     poison_buffers: bool = False
@@ -409,6 +430,7 @@ class CallPlan:
     thresholds: tuple[int, int, int]  # what block_dense applies to the call's third result
     cap: int
     cuda: object | None  # the extension's MlpPlan for the one-call path; None where settings rule it out
+    cublas: bool = False  # the dense MLP through cuBLAS instead of a TwELL path (config.cublas_rows)
 
 
 def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
@@ -416,6 +438,8 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     operands with contiguous 16-byte aligned rows (it checks that per call and declines otherwise):
     the choices the general path below makes, for that case."""
     plan = gate_plan(m, True)
+    if config.cublas_rows[0] <= m <= config.cublas_rows[1]:
+        return CallPlan((0, 0, 0), plan.cap, None, cublas=True)
     sms = _num_sms(device)
     launch = sparse_launch(m, d, sms, d % 8 == 0)  # aligned rows: 16-byte rows everywhere but maybe out's
     thresholds = _dense_thresholds(m, f, launch.entry_split)
@@ -481,6 +505,8 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     if m == 0:
         return x.new_empty((*x.shape[:-1], d))
     plan = call_plan(m, f, d, x2.device)
+    if plan.cublas:
+        return _cublas_mlp(x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias).view(*x.shape[:-1], d)
     result = None
     if plan.cuda is not None:
         # One host call for everything (the common case: aligned, contiguous operands); None if it
@@ -501,6 +527,20 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
         recorder.add("gated_relu_mlp" if gated else "relu_mlp", counts.sum(1), f,
                      overflow_rows=(counts > cap).any(1), block_dense=block_dense(block_nnz, thresholds))
     return out.view(*x.shape[:-1], d)
+
+
+def _cublas_mlp(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight: Tensor | None,
+                up_bias: Tensor | None, down_weight: Tensor, down_bias: Tensor | None) -> Tensor:
+    """The dense MLP through cuBLAS (``config.cublas_rows``). Under a sparsity recorder the call still
+    reports its activation's active units; every block counts as dense and no row as overflowing."""
+    out, act = build.cuda_extension().cublas_mlp(x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias)
+    recorder = stats.active_recorder()
+    if recorder is not None:
+        m, f = act.shape
+        recorder.add("gated_relu_mlp" if up_weight is not None else "relu_mlp", ((act > 0) | act.isnan()).sum(1), f,
+                     overflow_rows=act.new_zeros(m, dtype=torch.bool),
+                     block_dense=act.new_ones(-(-m // DECISION_ROWS), dtype=torch.bool))
+    return out
 
 
 def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight: Tensor | None,
