@@ -1,6 +1,7 @@
 """The cuBLAS route (``config.cublas_rows``; ``pytest -m cuda``): calls whose row count lies in the
 range run the dense MLP through PyTorch's GEMMs, and give the bits eager PyTorch gives, NaN included;
 they report their sparsity; they capture in CUDA graphs; the ends of the range are where the plan says.
+Also ``torch.library.opcheck`` on CUDA inputs through each path the row count picks.
 """
 
 from __future__ import annotations
@@ -70,3 +71,15 @@ def test_ends_of_the_range_run_the_twell_kernels():
         torch.ops.twell.gated_relu_mlp(*problem.gated_args())
     (call,) = rec.calls()
     assert call.dense_blocks == 0
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("m", [7, 300, 1024])  # decode kernels, the cuBLAS route, the row-by-row kernels
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_opcheck_on_every_cuda_path(m, gated):
+    """torch.library.opcheck on CUDA inputs (tests/test_ops.py runs it on CPU): schema, fake kernel,
+    autograd registration and AOT dispatch, through each path the CUDA kernel takes by row count."""
+    problem = make_problem(m, 256, 1024, 256, nnz_per_row=24.0, gated=gated, bias=True)
+    args = problem.gated_args() if gated else problem.non_gated_args()
+    op = torch.ops.twell.gated_relu_mlp.default if gated else torch.ops.twell.relu_mlp.default
+    torch.library.opcheck(op, tuple(a.detach().clone().requires_grad_() if a is not None else None for a in args))
