@@ -94,21 +94,21 @@ __device__ __forceinline__ int64_t work_pieces(int64_t w) { return w & 0xfffffff
 // faster than groups of 32.
 constexpr int64_t kRowOrderGroup = 32;
 struct RowOrder {
-  int64_t M, group, groups, stride, inverse;  // stride * inverse = 1 mod groups; rows past them stay
+  int64_t M, groups, stride, inverse;  // stride * inverse = 1 mod groups; rows past them stay
   __device__ __forceinline__ int64_t row_at(int64_t position) const {
-    if (position >= groups * group) return position;
-    return position / group * stride % groups * group + position % group;
+    if (position >= groups * kRowOrderGroup) return position;
+    return position / kRowOrderGroup * stride % groups * kRowOrderGroup + position % kRowOrderGroup;
   }
   __device__ __forceinline__ int64_t position_of(int64_t row) const {
-    if (row >= groups * group) return row;
-    return row / group * inverse % groups * group + row % group;
+    if (row >= groups * kRowOrderGroup) return row;
+    return row / kRowOrderGroup * inverse % groups * kRowOrderGroup + row % kRowOrderGroup;
   }
 };
 
-RowOrder scattered_row_order(int64_t M, int64_t group) {
-  TORCH_CHECK(M >= 1 && M <= 0x7fffffff && group >= 1, "twell: bad row count for the chunks' order");
-  const int64_t groups = M / group;
-  if (groups <= 1) return RowOrder{M, group, 0, 1, 1};
+RowOrder scattered_row_order(int64_t M) {
+  TORCH_CHECK(M >= 1 && M <= 0x7fffffff, "twell: bad row count for the chunks' order");
+  const int64_t groups = M / kRowOrderGroup;
+  if (groups <= 1) return RowOrder{M, 0, 1, 1};
   int64_t stride = std::max<int64_t>(1, std::llround(static_cast<double>(groups) * 0.6180339887498949));
   while (std::gcd(stride, groups) != 1) ++stride;  // ends by groups + 1 at the latest
   stride %= groups;
@@ -119,7 +119,7 @@ RowOrder scattered_row_order(int64_t M, int64_t group) {
     std::tie(r0, r1) = std::make_tuple(r1, r0 - q * r1);
     std::tie(t0, t1) = std::make_tuple(t1, t0 - q * t1);
   }
-  return RowOrder{M, group, groups, stride, ((t0 % groups) + groups) % groups};
+  return RowOrder{M, groups, stride, ((t0 % groups) + groups) % groups};
 }
 
 // Smallest position p in [lo, hi] whose prefix holds at least `pieces` pieces (hi when none does).
@@ -718,7 +718,7 @@ void run_chunked(const c10::optional<at::Tensor>& x, const at::Tensor& packed, c
                                                               max_heavy, heavy_cost, decided.data_ptr<int>(),
                                                               row_entries.data_ptr<int64_t>(), counters.data_ptr<int>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const RowOrder order = scattered_row_order(M, kRowOrderGroup);
+  const RowOrder order = scattered_row_order(M);
   row_work_kernel<T><<<n_blocks, kWorkThreads, 0, stream>>>(
       M, order, decided.data_ptr<int>(), row_entries.data_ptr<int64_t>(), work.data_ptr<int64_t>(),
       heavy_rows.data_ptr<int>(), counters.data_ptr<int>(), data_or_null<T>(b_down), reinterpret_cast<T*>(out.data_ptr()), D);
