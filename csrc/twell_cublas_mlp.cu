@@ -1,8 +1,8 @@
 // The dense MLP through PyTorch's GEMMs (cuBLAS), for the token counts where no TwELL path pays:
 // 64 to a few hundred rows on the 2B shape, where our GEMMs leave most SMs idle or wait on their
 // pipelines and cuBLAS's small-tile kernels take about two thirds of their time (README, "Calls of
-// 65-512 rows" and "The decode GEMVs, measured"). The call plan (twell_compile/kernels/twell_mlp.py) picks it by the row count alone,
-// on the host, so no host sync.
+// 65-512 rows" and "The decode GEMVs, measured"). The call plan (twell_compile/kernels/twell_mlp.py)
+// picks it by the row count alone, on the host, so no host sync.
 //
 // Gated: g = x W_gate^T + b, u = x W_up^T + b, then u <- relu(g) * u in one pass (eager's relu and mul
 // round alike: relu is exact and the product of two 16-bit values is exact in float, so both give

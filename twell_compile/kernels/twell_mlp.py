@@ -166,11 +166,12 @@ class KernelConfig:
     one wave, paced by its heaviest rows (H100, CUDA graphs, 2026-11-23: M = 128, 48.8 against 43.7 us
     dense at 24 active units per row; M = 256, 62.0 against 51.7; skewed calls 0.35-0.65x dense).
     At 64 rows too: there the TwELL path was 1.03x, 0.95x and 0.72x dense at 24, 39 and 80 active units
-    per row and 0.57-0.90x skewed, where the route took 1.04-1.06x and 1.02-1.05x (H100, CUDA graphs,
-    2026-11-25; the decode GEMVs of its dense path are slower than cuBLAS's). At 56 and 60 rows TwELL
-    still won at 24-39 units (1.11-1.22x against 0.96-1.05x) and lost on skewed or 80-unit rows, the
-    trade made from 33 rows on, so those sizes stay on TwELL. The choice is by row count only, on the host: no sync, and the same
-    result whatever the activation. README, "The decode GEMVs, measured"."""
+    per row and 0.57-0.90x skewed, where the route took 1.04-1.06x uniform and 1.02-1.05x skewed (H100,
+    CUDA graphs, 2026-11-25; the decode GEMVs of its dense path are slower than cuBLAS's). At 56 and 60
+    rows TwELL still won at 24-39 units (1.11-1.22x against 0.96-1.05x) and lost on skewed or 80-unit
+    rows, the trade made from 33 rows on, so those sizes stay on TwELL. The choice is by row count only,
+    on the host: no sync, and the same result whatever the activation. README, "The decode GEMVs,
+    measured"."""
     tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
     """Let the Triton kernels load through TMA descriptors where rows allow (off: pointer loads)."""
     poison_buffers: bool = False
