@@ -73,8 +73,8 @@ def main() -> None:
             base = (graph_time_us(lambda i: cublas(i, False)), graph_time_us(lambda i: cublas(i, True)))
             for cluster in args.clusters:
                 def ours(i, cold, cluster=cluster):
-                    ext.decode_gate_twell(x, weights[i % len(weights) if cold else 0], None, packed, counts, dense,
-                                          block_nnz, cluster)
+                    weight = weights[i % len(weights) if cold else 0]
+                    ext.decode_gate_twell(x, weight, None, packed, counts, dense, block_nnz, cluster)
 
                 warm, cold = graph_time_us(lambda i: ours(i, False)), graph_time_us(lambda i: ours(i, True))
                 print(f"{m:>4} {k:>5} {cluster:>7} {warm:>10.1f} {base[0]:>12.1f} {cold:>10.1f} {base[1]:>12.1f}")
