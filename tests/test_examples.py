@@ -61,3 +61,9 @@ def test_sparse_reuse():
     assert rows[1][3] == "1.00" and rows[1][5] == "1.00", out
     # A larger block shares more rows, so it reads fewer bytes per token.
     assert float(rows[512][3]) > float(rows[128][3]) > 1.0 and float(rows[512][5]) < float(rows[128][5]) < 1.0, out
+
+
+def test_mma_gather_model():
+    out = run_example("mma_gather_model.py")
+    assert "up projection, m16n8k8, 4 rotated variants: True" in out
+    assert "down projection, m16n8k16, block-diagonal h: True" in out
