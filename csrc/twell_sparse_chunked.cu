@@ -16,7 +16,14 @@
 //     entries; after the last slice h = g * round(up + b_up), as the row-by-row kernel rounds;
 //   down: per slice, a thread sums h * W_down^T[unit, 8 columns] over its entries; a row's first piece
 //     then adds the other pieces' partials (the next threads, in order: deterministic) and writes the
-//     row's 8 output columns (+ b_down).
+//     row's 8 output columns (+ b_down), two slices at a time, so that each 32-byte sector of out is
+//     written whole by two back-to-back stores. Stored a slice at a time (16 bytes, half a sector, per
+//     row and slice), the stores took a quarter of the kernel's time at 24 active units per row, ~500
+//     rows per chunk (H100, 2026-11-25, M = 65536, one wave: 1.38 ms, 1.04 ms with the stores left
+//     out, 1.19 ms paired; at M = 131072 2.75, 2.07 and 2.37 ms), and nothing measurable at 39 (~300
+//     rows per chunk). Half-written sectors are our reading of why; no profile has confirmed it.
+//     Four slices at a time (64 bytes, three held slices shifted along) was slower than two in an A/B
+//     of both builds: 2.34 against 2.30 ms at M = 131072 and 24, 1.08 against 1.03 ms at 39.
 // Rows that are not the chunks' work, decided per 128-row block from the gate's counts (integer tests,
 // on the device):
 //   - rows of blocks too dense to pay: the dense path, which reads the decision this kernel writes;
@@ -645,6 +652,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
     __syncthreads();  // every plan is read before the down projection's partials overwrite them
 
     T* out_row = out + static_cast<int64_t>(job.row) * D;
+    uint4 held_out = make_uint4(0u, 0u, 0u, 0u);  // a row owner's even slice, stored with the next one
     for (int s = 0; s < down_slices; ++s, ++stage) {
       ptx::mbarrier_wait(&full[stage & 1], (stage >> 1) & 1);
       const uint32_t slice = slices_addr + (stage & 1) * buffer_bytes;
@@ -679,7 +687,13 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
         packed_out.y = Dtype16<T>::pair_bits(o[2], o[3]);
         packed_out.z = Dtype16<T>::pair_bits(o[4], o[5]);
         packed_out.w = Dtype16<T>::pair_bits(o[6], o[7]);
-        *reinterpret_cast<uint4*>(out_row + col) = packed_out;
+        // Slices go out in pairs, so that each 32-byte sector of the row is written whole (file comment).
+        if (s % 2 == 0 && s + 1 < down_slices) {
+          held_out = packed_out;
+        } else {
+          if (s % 2 == 1) *reinterpret_cast<uint4*>(out_row + col - kSlice) = held_out;
+          *reinterpret_cast<uint4*>(out_row + col) = packed_out;
+        }
       }
     }
   }
