@@ -18,6 +18,10 @@ A holds (g, 2t..2t+1), (g+8, ...) [, (g, 2t+8..), (g+8, 2t+8..) for k16]; B hold
 [, (2t+8.., g)]; C and D hold (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1). ldmatrix: lane 8i + r gives
 row r of matrix i and receives (g, 2t..2t+1) of each matrix, or (2t..2t+1, g) with .trans.
 
+The down projection's scheme was then built into the chunked kernel (branch chunked-mma-down): exact,
+but slower than the FMA loop on an H100, since 15 of every 16 of the tensor cores' products are zeros
+(examples/results/README.md, "A tensor-core down projection in the chunked kernel").
+
     python examples/mma_gather_model.py
 """
 
