@@ -2,18 +2,9 @@
 # One device call: build this tree and ab_other/ side by side, then record one chunked-kernel launch of
 # each under Nsight Compute (base clocks): speed of light, the pipes' utilization, warp states and
 # per-instruction stalls (summarized by examples/ncu_pc_stalls.py).   bash examples/ncu_ab_chunked.sh "PROFILE ARGS"
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/twell_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-deps --no-build-isolation --no-index . 2>&1 | grep -v WARNING | tail -3
-python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/othersite ./ab_other 2>&1 | grep -v WARNING | tail -3
-REPO=$PWD; cd /tmp
-build='import time; t=time.time(); from twell_compile.kernels.build import cuda_extension; cuda_extension(); print(f"built in {time.time()-t:.0f}s")'
-PYTHONPATH=/tmp/site python3 -c "$build" & PYTHONPATH=/tmp/othersite:/tmp/site python3 -c "$build" & wait
+source "$(dirname "$0")/ab_setup.sh"
 for variant in this other; do
-  path=/tmp/site; [ $variant = other ] && path=/tmp/othersite:/tmp/site
-  PYTHONPATH=$path ncu --clock-control base --section SpeedOfLight --section ComputeWorkloadAnalysis \
+  PYTHONPATH=$(variant_path $variant) ncu --clock-control base --section SpeedOfLight --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section SourceCounters --section InstructionStats -k regex:chunked_mlp --launch-count 1 \
     -o /tmp/$variant python3 "$REPO/examples/profile_twell.py" $1 --chunked-rows 1 --plain 2 > /dev/null 2>&1
   echo "=== $variant" | tee -a "$OUT/ncu.log"
