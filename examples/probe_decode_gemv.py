@@ -16,30 +16,22 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 
 import twell_compile  # noqa: F401
 from twell_compile.kernels import build
-from twell_compile.testing import cuda_time_ms, make_problem
+from twell_compile.testing import cuda_graph_time_ms, make_problem
 
 LAUNCHES = 16
 
 
 def graph_time_us(step, launches: int = LAUNCHES) -> float:
     """Median replay time of a graph of step(0) .. step(launches - 1), per launch, in microseconds."""
-    for i in range(launches):
-        step(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(0)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
+
+    def steps():
         for i in range(launches):
             step(i)
-    return 1e3 * cuda_time_ms(graph.replay, 20) / launches
+
+    return 1e3 * cuda_graph_time_ms(steps, 20) / launches
 
 
 def main() -> None:
