@@ -25,23 +25,25 @@
 //   mainloops then run one after the other, and no consumer waits on a ring stage more than one phase
 //   ahead (mbarrier parity waits cannot tell phases two apart). The gate-times-up GEMM uses it by
 //   default, the gate where there are too few 256-row tiles for the staged schedule.
-// * cooperative (tile_m 256): both consumers work on one 256 x 128 tile (rows 0-127 and 128-255), so
-//   the B slice serves twice the rows and the L2 traffic per output falls, but the epilogue is exposed.
-//   It pays where the mainloop is long beside the epilogue: the dense-path down projection (K = the
-//   intermediate size; H200, 2B shape: 4.0-4.1 against 4.4-4.5 ms), not the gate (5.0 against 4.7 ms).
+// * cooperative, staged (tile_m 256; the gate's default, TWELL_GATE_GEMM_TILE_M=256, and the dense-path
+//   down projection's, TWELL_DOWN_GEMM_TILE_M=256): both consumers work on one 256 x 128 tile (rows
+//   0-127 and 128-255), so the B slice serves twice the rows and the L2 traffic per output falls. The
+//   consumers only add the bias and round the tile into shared memory (stage_tile), then go on to the
+//   next tile's MMAs, while a fourth warpgroup packs the staged tile (pack_staged) or, on the dense
+//   path, writes it out (write_staged): the epilogue does not leave the tensor cores idle. The staged
+//   tile (68 KB) leaves room for 3 ring stages. H100, 2B gate at M = 131072 with a bias: 4.75-5.02 ms
+//   against 5.22-5.84 ms for ping-pong pairs, cuBLAS 4.2-4.35 ms; with staging and packing skipped the
+//   same kernel ran at cuBLAS's pace (4.0-4.4 ms), so they are what is left between them. The packer's
+//   first form (a warp per row) could not keep up with the MMAs (5.7-6.0 ms). The dense-path down
+//   projection ran 3% faster staged than with the epilogue in the consumers (H100, 2026-11-25: 462-467
+//   against 477 us at M = 16384); the gate-times-up GEMM, whose writer reads the gate, 5-12% slower
+//   than ping-pong, which it therefore keeps. The tile changes hands on two mbarriers (staged_full,
+//   staged_free) on which every thread of the writing side arrives: with a named-barrier hand-off
+//   (bar.arrive / bar.sync) racecheck reported hazards between the staging writes and the packer's
+//   reads; with the mbarriers it reports none (H100, 2026-11-23).
 //   On the dense path a 256-row tile runs if either of its blocks is dense; a consumer whose block is
-//   sparse (or past the end) only receives and releases the stages, without MMAs.
-// * cooperative, staged (the pack epilogue only; the gate's default, TWELL_GATE_GEMM_TILE_M=256): as
-//   cooperative, but the consumers only add the bias and round the tile into shared memory
-//   (stage_tile), then go on to the next tile's MMAs, while a fourth warpgroup packs the staged tile
-//   (pack_staged): the epilogue no longer leaves the tensor cores idle. The staged tile (68 KB) leaves
-//   room for 3 ring stages. H100, 2B gate at M = 131072 with a bias: 4.75-5.02 ms against 5.22-5.84 ms
-//   for ping-pong pairs, cuBLAS 4.2-4.35 ms; with staging and packing skipped the same kernel ran at
-//   cuBLAS's pace (4.0-4.4 ms), so they are what is left between them. The packer's first form (a warp
-//   per row) could not keep up with the MMAs (5.7-6.0 ms). The tile changes hands on two mbarriers
-//   (staged_full, staged_free) on which every thread of the writing side arrives: with a named-barrier
-//   hand-off (bar.arrive / bar.sync) racecheck reported hazards between the staging writes and the
-//   packer's reads; with the mbarriers it reports none (H100, 2026-11-23).
+//   sparse (or past the end) only receives and releases the stages, without MMAs, and the writer
+//   leaves its rows alone.
 // The dense-path kernels read the per-block test once per CTA into a shared bitmap, and a CTA exits at
 // once when no block is dense.
 //
@@ -94,15 +96,15 @@ enum class Epilogue { kTwellPack, kGateTimesUp, kStore };
 
 // The schedules (see the file comment): ping-pong, 128 x 128 tiles that the consumers take in turn;
 // cooperative, 256 x 128 tiles that both consumers share (rows 0-127 and 128-255), half the A traffic
-// per output again at the price of an epilogue the tensor cores wait for. The pack epilogue in the
-// cooperative schedule is staged: the consumers round the tile into shared memory and go on to the
-// next tile's MMAs while a fourth warpgroup packs it (pack_staged), so the epilogue is not
-// exposed; the ring then has 3 stages, to leave room for the staged tile.
+// per output. The cooperative schedule is staged: the consumers round the tile into shared memory and
+// go on to the next tile's MMAs while a fourth warpgroup packs it (pack_staged) or writes it out
+// (write_staged), so the epilogue is not exposed; the ring then has 3 stages, to leave room for the
+// staged tile.
 template <Epilogue kMode, int kTileM>
 struct Schedule {
   static_assert(kTileM == 128 || kTileM == 256, "ping-pong or cooperative");
   static constexpr bool kCoop = kTileM == 256;
-  static constexpr bool kStaged = kCoop && kMode == Epilogue::kTwellPack;
+  static constexpr bool kStaged = kCoop;
   static constexpr int kThreads = kStaged ? 512 : 384;
   static constexpr int kBlocksPerTile = kTileM / kBlockM;
   static constexpr int kATileBytes = kTileM * kBlockK * 2;
@@ -121,7 +123,7 @@ struct Schedule {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers (ping-pong, cooperative)
+constexpr int kConsumerRegs = 232;  // 2 x 128 x 232 + 128 x 40 <= 64K registers (ping-pong)
 // Staged schedule: 128 x (40 + 72 + 2 x 200) = 64K registers (the packer spilled at 56).
 constexpr int kStagedPackerRegs = 72;
 constexpr int kStagedConsumerRegs = 200;
@@ -747,6 +749,97 @@ __device__ __forceinline__ void pack_staged(const EpilogueArgs& args, const Smem
   }
 }
 
+// Staged schedule, dense path: the fourth warpgroup writes each 256 x 128 tile the consumers staged,
+// c = the staged values (kStore) or h = g * the staged values over the gate's backup in c
+// (kGateTimesUp, g from the gate's TwELL output as load_gate reads it), the same bits as store_rows.
+// A warp writes two rows per step, 16 lanes a row and 8 columns a lane, so each store instruction
+// fills whole 32-byte sectors (store_rows's 4-byte stores from the accumulator layout fill half ones).
+// The tiles and halves written are those the consumers computed: the same filter, tile by tile.
+template <typename T, Epilogue kMode, int kCluster>
+__device__ __forceinline__ void write_staged(const EpilogueArgs& args, const Smem& sm, const BlockFilter& filter,
+                                             const TileWalk<kCluster>& walk) {
+  using S = Schedule<kMode, 256>;
+  ptx::setmaxnreg_dec<kStagedPackerRegs>();
+  const int t = static_cast<int>(threadIdx.x) - 3 * 128, warp = t / 32, lane = t % 32;
+  const int chunk = lane % 16;  // columns 8 chunk .. 8 chunk + 7 of the tile
+  const uint32_t staged = ptx::smem_addr(sm.staged);
+  const bool vec = args.N % 8 == 0 && (reinterpret_cast<uintptr_t>(args.c) & 15u) == 0;
+  uint32_t j = 0;  // the kept tile's index in this CTA's walk, as the consumers count it
+  for (int unit = walk.first; unit < walk.n_units(); unit += walk.stride) {
+    int pm, pn, split;
+    walk.coords(unit, pm, pn, split);
+    if (!filter.any_dense<S::kBlocksPerTile>(pm)) continue;
+    ptx::mbarrier_wait(sm.staged_full, j & 1);
+    const int col = 8 * chunk, cols_left = args.N - pn * kBlockN;
+    if (walk.real(pn) && col < cols_left) {
+#pragma unroll 1
+      for (int half = 0; half < 2; ++half) {  // a consumer's rows, written if it computed them
+        const int first_row = pm * 256 + half * kBlockM;
+        if (first_row >= args.M || !filter.dense(pm * 2 + half)) continue;
+#pragma unroll 4
+        for (int step = 0; step < kBlockM / 8; ++step) {  // 4 warps x 2 rows a step
+          const int r = half * kBlockM + warp * (kBlockM / 4) + 2 * step + lane / 16;
+          const int row = pm * 256 + r;
+          if (row >= args.M) continue;
+          const uint4 v = ptx::ld_shared_v4(staged + r * S::kStagedRowBytes + 16 * chunk);
+          uint32_t out[4] = {v.x, v.y, v.z, v.w};
+          uint16_t* c_row = static_cast<uint16_t*>(args.c) + static_cast<int64_t>(row) * args.N +
+                            static_cast<int64_t>(pn) * kBlockN + col;
+          const int width = min(8, cols_left - col);
+          if constexpr (kMode == Epilogue::kGateTimesUp) {
+            uint32_t g[4] = {0u, 0u, 0u, 0u};
+            const int64_t row_tile = static_cast<int64_t>(row) * args.n_tiles_n + pn;
+            const uint32_t* slots = args.packed + row_tile * args.cap;
+            // The count and (slots_vec8) the first 8 slots in one round trip, as load_gate_head does:
+            // with the steps unrolled, several rows' loads are in flight together.
+            const int count = args.counts[row_tile];
+            uint32_t head[8];
+            if (args.slots_vec8) {
+              const uint4 lo = *reinterpret_cast<const uint4*>(slots), hi = *reinterpret_cast<const uint4*>(slots + 4);
+              head[0] = lo.x, head[1] = lo.y, head[2] = lo.z, head[3] = lo.w;
+              head[4] = hi.x, head[5] = hi.y, head[6] = hi.z, head[7] = hi.w;
+            }
+            if (count > args.cap) {  // the tile's backup row: pre-activations, relu applied here
+              if (vec && width == 8) {
+                const uint4 b = *reinterpret_cast<const uint4*>(c_row);
+                g[0] = b.x, g[1] = b.y, g[2] = b.z, g[3] = b.w;
+              } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                  if (i < width) g[i / 2] |= static_cast<uint32_t>(c_row[i]) << (16 * (i % 2));
+              }
+#pragma unroll
+              for (int i = 0; i < 4; ++i) g[i] = relu_pair<T>(g[i]);
+            } else {  // the slots (value bits << 16 | column in tile) of this lane's 8 columns
+              const auto take = [&](uint32_t word) {
+                const int in_chunk = static_cast<int>(word & 0xffffu) - col;
+                const uint32_t v = (word >> 16) << (16 * (in_chunk & 1));
+#pragma unroll
+                for (int i = 0; i < 4; ++i) g[i] |= in_chunk >> 1 == i ? v : 0u;  // static indices
+              };
+#pragma unroll
+              for (int s = 0; s < 8; ++s)
+                if (s < count) take(args.slots_vec8 ? head[s] : slots[s]);
+              for (int s = 8; s < count; ++s) take(slots[s]);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) out[i] = Dtype16<T>::mul_pairs(g[i], out[i]);
+          }
+          if (vec && width == 8) {
+            *reinterpret_cast<uint4*>(c_row) = make_uint4(out[0], out[1], out[2], out[3]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+              if (i < width) c_row[i] = static_cast<uint16_t>(out[i / 2] >> (16 * (i % 2)));
+          }
+        }
+      }
+    }
+    ptx::mbarrier_arrive(sm.staged_free);  // (the last tile's has no taker)
+    ++j;
+  }
+}
+
 // Consumer warpgroups, mainloop then epilogue per tile (see the file comment). Ping-pong: the consumers
 // take alternate kept tiles, all 128 rows each. Cooperative: both take every tile, 128 rows each
 // (staged: the epilogue is stage_tile, the packer warpgroup's pack_staged the rest).
@@ -896,7 +989,13 @@ __global__ void __launch_bounds__(Schedule<kMode, kTileM>::kThreads, 1) twell_ge
   } else if (threadIdx.x < 3 * 128) {
     consume<T, kMode, kCluster, kTileM>(args, sm, filter, walk);
   } else {
-    if constexpr (Schedule<kMode, kTileM>::kStaged) pack_staged<T, kCluster>(args, sm, walk);
+    if constexpr (Schedule<kMode, kTileM>::kStaged) {
+      if constexpr (kMode == Epilogue::kTwellPack) {
+        pack_staged<T, kCluster>(args, sm, walk);
+      } else {
+        write_staged<T, kMode, kCluster>(args, sm, filter, walk);
+      }
+    }
   }
   // The peer may still multicast into this CTA's stages or arrive on its barriers: leave together.
   if constexpr (kCluster > 1) ptx::cluster_sync();

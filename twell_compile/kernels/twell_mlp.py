@@ -121,12 +121,16 @@ class KernelConfig:
     gemm_tile_m: int = int(os.environ.get("TWELL_GEMM_TILE_M", "128"))
     """The gate-times-up GEMM's schedule (dense path). 128: ping-pong (128 x 128 tiles, each consumer
     warpgroup's epilogue hidden behind the other's MMAs); 256: cooperative (256 x 128 tiles, both
-    consumers on one tile: less L2 traffic per output, but the epilogue is exposed) where its tiles
-    fill the GPU. Ping-pong was faster here on an H200 (5.0-5.1 against 5.5 ms at the 2B shape)."""
+    consumers on one tile, less L2 traffic per output, the epilogue run by a fourth warpgroup from a
+    staged tile) where its tiles fill the GPU. Ping-pong was faster: on an H200 against the cooperative
+    schedule with the epilogue in the consumers (5.0-5.1 against 5.5 ms at the 2B shape), and on an H100
+    against the staged one (2026-11-25, torch.profiler, every block dense: 0.63 against 0.67 ms at
+    M = 16384, 0.17 against 0.19 ms at 4096)."""
     down_gemm_tile_m: int = int(os.environ.get("TWELL_DOWN_GEMM_TILE_M", "256"))
     """The dense-path down GEMM's schedule (as gemm_tile_m). Its K is the intermediate size, so its
     mainloop is long beside its epilogue and the cooperative tiles pay (H200, 2B shape: 4.0-4.1 against
-    4.4-4.5 ms)."""
+    4.4-4.5 ms), the more so staged (H100, 2026-11-25: 462-467 against 477 us at M = 16384, 120-123
+    against 125-126 us at 4096, with the epilogue in the consumers)."""
     gemm_k_splits: int = int(os.environ.get("TWELL_GEMM_K_SPLITS", "0"))
     """K ranges per output tile of the wgmma GEMMs. 0: chosen per GEMM (choose_k_split in
     csrc/twell_entries.h): where the 128 x 128 tiles are fewer than the SMs and K is long (the 2B
