@@ -68,6 +68,15 @@ __device__ __forceinline__ uint32_t ld_shared_u16(uint32_t addr) {
   return v;
 }
 
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ void st_shared_u16(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(static_cast<uint16_t>(v)) : "memory");
+}
+
 // ---- TMA ------------------------------------------------------------------------------------------
 // 2-D tile load; coordinates are (innermost, outer) in elements. Out-of-bounds elements are zero-filled.
 __device__ __forceinline__ void tma_load_2d(void* dst, const void* tensor_map, uint64_t* bar, int c0, int c1) {

@@ -23,10 +23,10 @@
 //   the other's MMAs run, so the epilogue hides behind the tensor cores. A consumer starts waiting for
 //   its tile's K-slices only once the other has received all of its own ("turn" barriers): the
 //   mainloops then run one after the other, and no consumer waits on a ring stage more than one phase
-//   ahead (mbarrier parity waits cannot tell phases two apart). The gate-times-up GEMM uses it by
-//   default, the gate where there are too few 256-row tiles for the staged schedule.
-// * cooperative, staged (tile_m 256; the gate's default, TWELL_GATE_GEMM_TILE_M=256, and the dense-path
-//   down projection's, TWELL_DOWN_GEMM_TILE_M=256): both consumers work on one 256 x 128 tile (rows
+//   ahead (mbarrier parity waits cannot tell phases two apart). The GEMMs use it where there are too
+//   few 256-row tiles for the staged schedule.
+// * cooperative, staged (tile_m 256, the default of all three GEMMs: TWELL_GATE_GEMM_TILE_M,
+//   TWELL_GEMM_TILE_M, TWELL_DOWN_GEMM_TILE_M): both consumers work on one 256 x 128 tile (rows
 //   0-127 and 128-255), so the B slice serves twice the rows and the L2 traffic per output falls. The
 //   consumers only add the bias and round the tile into shared memory (stage_tile), then go on to the
 //   next tile's MMAs, while a fourth warpgroup packs the staged tile (pack_staged) or, on the dense
@@ -34,13 +34,16 @@
 //   tile (68 KB) leaves room for 3 ring stages. H100, 2B gate at M = 131072 with a bias: 4.75-5.02 ms
 //   against 5.22-5.84 ms for ping-pong pairs, cuBLAS 4.2-4.35 ms; with staging and packing skipped the
 //   same kernel ran at cuBLAS's pace (4.0-4.4 ms), so they are what is left between them. The packer's
-//   first form (a warp per row) could not keep up with the MMAs (5.7-6.0 ms). The dense-path down
-//   projection ran 3% faster staged than with the epilogue in the consumers (H100, 2026-11-25: 462-467
-//   against 477 us at M = 16384); the gate-times-up GEMM, whose writer reads the gate, 5-12% slower
-//   than ping-pong, which it therefore keeps. The tile changes hands on two mbarriers (staged_full,
-//   staged_free) on which every thread of the writing side arrives: with a named-barrier hand-off
-//   (bar.arrive / bar.sync) racecheck reported hazards between the staging writes and the packer's
-//   reads; with the mbarriers it reports none (H100, 2026-11-23).
+//   first form (a warp per row) could not keep up with the MMAs (5.7-6.0 ms).
+//   On the dense path (H100, 2026-11-25, every block dense, torch.profiler): the down projection took
+//   462-467 us at M = 16384 against 477 with the epilogue in the consumers; the gate-times-up GEMM 558 us
+//   against 633-636 for ping-pong, and 4.41-4.55 against 5.03-5.05 ms per call at M = 131072. Its
+//   writer first read the gate with 16 lanes per row, each lane all of the row's slots: 670 us, slower
+//   than ping-pong. Now a thread per row loads its gate before the tile arrives (gate_row_in_place).
+//   The tile changes hands on two mbarriers (staged_full, staged_free) on which every thread of the
+//   writing side arrives: with a named-barrier hand-off (bar.arrive / bar.sync) racecheck reported
+//   hazards between the staging writes and the packer's reads; with the mbarriers it reports none
+//   (H100, 2026-11-23).
 //   On the dense path a 256-row tile runs if either of its blocks is dense; a consumer whose block is
 //   sparse (or past the end) only receives and releases the stages, without MMAs, and the writer
 //   leaves its rows alone.
@@ -749,16 +752,82 @@ __device__ __forceinline__ void pack_staged(const EpilogueArgs& args, const Smem
   }
 }
 
+// Gate times up, staged: turns one staged row of round(x W_up^T + b) into h = relu(g) * it in place, g
+// the gate's (row, tile) as load_gate reads it (head: its count and first slots, loaded beforehand).
+// The products of the active columns first (a slot each), then every other column becomes 0 * up,
+// as eager's relu(g) * up makes it (-0 for a negative up, NaN for one not finite): the same bits as
+// store_rows's mul_pairs of the gate's pairs. Rows of a tile past capacity take g from the backup row
+// in c (pre-activations, relu applied here).
+template <typename T>
+__device__ __forceinline__ void gate_row_in_place(uint32_t row_addr, int64_t row, int tile, int cols_left,
+                                                  const EpilogueArgs& args, const GateHead& head) {
+  const int64_t row_tile = row * args.n_tiles_n + tile;
+  const int count = head.count;
+  if (count > args.cap) {  // rare
+    const uint16_t* c_row = static_cast<const uint16_t*>(args.c) + row * args.N + static_cast<int64_t>(tile) * kBlockN;
+    const bool vec = args.N % 8 == 0 && (reinterpret_cast<uintptr_t>(args.c) & 15u) == 0;
+#pragma unroll 4
+    for (int c = 0; c < kBlockN / 8; ++c) {
+      const int col = 8 * c, width = min(8, cols_left - col);
+      if (width <= 0) break;
+      uint32_t g[4] = {0u, 0u, 0u, 0u};
+      if (vec && width == 8) {
+        const uint4 b = *reinterpret_cast<const uint4*>(c_row + col);
+        g[0] = b.x, g[1] = b.y, g[2] = b.z, g[3] = b.w;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (i < width) g[i / 2] |= static_cast<uint32_t>(c_row[col + i]) << (16 * (i % 2));
+      }
+      const uint4 v = ptx::ld_shared_v4(row_addr + 16 * c);
+      ptx::st_shared_v4(row_addr + 16 * c, make_uint4(Dtype16<T>::mul_pairs(relu_pair<T>(g[0]), v.x),
+                                                      Dtype16<T>::mul_pairs(relu_pair<T>(g[1]), v.y),
+                                                      Dtype16<T>::mul_pairs(relu_pair<T>(g[2]), v.z),
+                                                      Dtype16<T>::mul_pairs(relu_pair<T>(g[3]), v.w)));
+    }
+    return;
+  }
+  uint32_t active[4] = {0u, 0u, 0u, 0u};  // a bit per column of the tile
+  const auto take = [&](uint32_t word) {   // value bits << 16 | column in tile
+    const int col = static_cast<int>(word & 0xffffu);
+    const uint32_t addr = row_addr + 2 * col;
+    ptx::st_shared_u16(addr, Dtype16<T>::mul_pairs(word >> 16, ptx::ld_shared_u16(addr)));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) active[i] |= col >> 5 == i ? 1u << (col & 31) : 0u;  // static indices
+  };
+  const uint32_t* slots = args.packed + row_tile * args.cap;
+#pragma unroll
+  for (int s = 0; s < 8; ++s)
+    if (s < count) take(args.slots_vec8 ? head.first[s] : slots[s]);
+  for (int s = 8; s < count; ++s) take(slots[s]);
+#pragma unroll
+  for (int c = 0; c < kBlockN / 8; ++c) {
+    const uint32_t bits = (active[c / 4] >> (8 * (c % 4))) & 0xffu;  // columns 8 c .. 8 c + 7
+    if (bits == 0xffu || 8 * c >= cols_left) continue;
+    const uint4 v = ptx::ld_shared_v4(row_addr + 16 * c);
+    uint32_t pairs[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t zero = Dtype16<T>::mul_pairs(0u, pairs[i]);
+      const uint32_t keep = ((bits >> (2 * i)) & 1u ? 0xffffu : 0u) | ((bits >> (2 * i + 1)) & 1u ? 0xffff0000u : 0u);
+      pairs[i] = (pairs[i] & keep) | (zero & ~keep);
+    }
+    ptx::st_shared_v4(row_addr + 16 * c, make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]));
+  }
+}
+
 // Staged schedule, dense path: the fourth warpgroup writes each 256 x 128 tile the consumers staged,
-// c = the staged values (kStore) or h = g * the staged values over the gate's backup in c
-// (kGateTimesUp, g from the gate's TwELL output as load_gate reads it), the same bits as store_rows.
-// A warp writes two rows per step, 16 lanes a row and 8 columns a lane, so each store instruction
-// fills whole 32-byte sectors (store_rows's 4-byte stores from the accumulator layout fill half ones).
-// The tiles and halves written are those the consumers computed: the same filter, tile by tile.
+// c = the staged values (kStore), or h = relu(g) * them over the gate's backup in c (kGateTimesUp:
+// first each thread turns its two rows into h in place, gate_row_in_place, their gate loaded before
+// the tile arrives). A warp writes two rows per step, 16 lanes a row and 8 columns a lane, so each
+// store instruction fills whole 32-byte sectors (store_rows's 4-byte stores from the accumulator
+// layout fill half ones). Same bits as store_rows. The tiles and halves written are those the
+// consumers computed: the same filter, tile by tile.
 template <typename T, Epilogue kMode, int kCluster>
 __device__ __forceinline__ void write_staged(const EpilogueArgs& args, const Smem& sm, const BlockFilter& filter,
                                              const TileWalk<kCluster>& walk) {
   using S = Schedule<kMode, 256>;
+  constexpr uint32_t kWriterBarrier = 3;  // named barrier of the writer warpgroup (1 and 2: K split's)
   ptx::setmaxnreg_dec<kStagedPackerRegs>();
   const int t = static_cast<int>(threadIdx.x) - 3 * 128, warp = t / 32, lane = t % 32;
   const int chunk = lane % 16;  // columns 8 chunk .. 8 chunk + 7 of the tile
@@ -769,65 +838,49 @@ __device__ __forceinline__ void write_staged(const EpilogueArgs& args, const Sme
     int pm, pn, split;
     walk.coords(unit, pm, pn, split);
     if (!filter.any_dense<S::kBlocksPerTile>(pm)) continue;
-    ptx::mbarrier_wait(sm.staged_full, j & 1);
-    const int col = 8 * chunk, cols_left = args.N - pn * kBlockN;
-    if (walk.real(pn) && col < cols_left) {
+    const int cols_left = args.N - pn * kBlockN;
+    bool computed[2];  // the consumers' halves with MMAs (stage_tile's `write`)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int first_row = pm * 256 + half * kBlockM;
+      computed[half] = walk.real(pn) && first_row < args.M && filter.dense(pm * 2 + half);
+    }
+    if constexpr (kMode == Epilogue::kGateTimesUp) {
+      GateHead heads[2];  // rows t and 128 + t
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = pm * 256 + half * kBlockM + t;
+        heads[half].count = 0;
+        if (computed[half] && row < args.M) load_gate_head(row, pn, args, heads[half]);
+      }
+      ptx::mbarrier_wait(sm.staged_full, j & 1);
+#pragma unroll  // (heads and computed by static index: a dynamic one puts them in local memory)
+      for (int half = 0; half < 2; ++half) {
+        const int row = pm * 256 + half * kBlockM + t;
+        if (computed[half] && row < args.M)
+          gate_row_in_place<T>(staged + (half * kBlockM + t) * S::kStagedRowBytes, row, pn, cols_left, args, heads[half]);
+      }
+      ptx::named_barrier_sync(kWriterBarrier, 128);  // every row is h before any is written out
+    } else {
+      ptx::mbarrier_wait(sm.staged_full, j & 1);
+    }
+    const int col = 8 * chunk, width = min(8, cols_left - col);
+    if (width > 0) {
 #pragma unroll 1
-      for (int half = 0; half < 2; ++half) {  // a consumer's rows, written if it computed them
-        const int first_row = pm * 256 + half * kBlockM;
-        if (first_row >= args.M || !filter.dense(pm * 2 + half)) continue;
+      for (int half = 0; half < 2; ++half) {
+        if (!(half == 0 ? computed[0] : computed[1])) continue;
 #pragma unroll 4
         for (int step = 0; step < kBlockM / 8; ++step) {  // 4 warps x 2 rows a step
           const int r = half * kBlockM + warp * (kBlockM / 4) + 2 * step + lane / 16;
           const int row = pm * 256 + r;
           if (row >= args.M) continue;
           const uint4 v = ptx::ld_shared_v4(staged + r * S::kStagedRowBytes + 16 * chunk);
-          uint32_t out[4] = {v.x, v.y, v.z, v.w};
           uint16_t* c_row = static_cast<uint16_t*>(args.c) + static_cast<int64_t>(row) * args.N +
                             static_cast<int64_t>(pn) * kBlockN + col;
-          const int width = min(8, cols_left - col);
-          if constexpr (kMode == Epilogue::kGateTimesUp) {
-            uint32_t g[4] = {0u, 0u, 0u, 0u};
-            const int64_t row_tile = static_cast<int64_t>(row) * args.n_tiles_n + pn;
-            const uint32_t* slots = args.packed + row_tile * args.cap;
-            // The count and (slots_vec8) the first 8 slots in one round trip, as load_gate_head does:
-            // with the steps unrolled, several rows' loads are in flight together.
-            const int count = args.counts[row_tile];
-            uint32_t head[8];
-            if (args.slots_vec8) {
-              const uint4 lo = *reinterpret_cast<const uint4*>(slots), hi = *reinterpret_cast<const uint4*>(slots + 4);
-              head[0] = lo.x, head[1] = lo.y, head[2] = lo.z, head[3] = lo.w;
-              head[4] = hi.x, head[5] = hi.y, head[6] = hi.z, head[7] = hi.w;
-            }
-            if (count > args.cap) {  // the tile's backup row: pre-activations, relu applied here
-              if (vec && width == 8) {
-                const uint4 b = *reinterpret_cast<const uint4*>(c_row);
-                g[0] = b.x, g[1] = b.y, g[2] = b.z, g[3] = b.w;
-              } else {
-#pragma unroll
-                for (int i = 0; i < 8; ++i)
-                  if (i < width) g[i / 2] |= static_cast<uint32_t>(c_row[i]) << (16 * (i % 2));
-              }
-#pragma unroll
-              for (int i = 0; i < 4; ++i) g[i] = relu_pair<T>(g[i]);
-            } else {  // the slots (value bits << 16 | column in tile) of this lane's 8 columns
-              const auto take = [&](uint32_t word) {
-                const int in_chunk = static_cast<int>(word & 0xffffu) - col;
-                const uint32_t v = (word >> 16) << (16 * (in_chunk & 1));
-#pragma unroll
-                for (int i = 0; i < 4; ++i) g[i] |= in_chunk >> 1 == i ? v : 0u;  // static indices
-              };
-#pragma unroll
-              for (int s = 0; s < 8; ++s)
-                if (s < count) take(args.slots_vec8 ? head[s] : slots[s]);
-              for (int s = 8; s < count; ++s) take(slots[s]);
-            }
-#pragma unroll
-            for (int i = 0; i < 4; ++i) out[i] = Dtype16<T>::mul_pairs(g[i], out[i]);
-          }
           if (vec && width == 8) {
-            *reinterpret_cast<uint4*>(c_row) = make_uint4(out[0], out[1], out[2], out[3]);
+            *reinterpret_cast<uint4*>(c_row) = v;
           } else {
+            const uint32_t out[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
             for (int i = 0; i < 8; ++i)
               if (i < width) c_row[i] = static_cast<uint16_t>(out[i / 2] >> (16 * (i % 2)));

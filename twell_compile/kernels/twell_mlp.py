@@ -118,14 +118,14 @@ class KernelConfig:
     (bitwise equal to ping-pong); the tile changes hands on mbarriers every thread arrives on, and
     compute-sanitizer's memcheck and racecheck were clean on it (sanitize_h100_2026-11-23_mbarrier.log,
     and again after the early stage release: sanitize_h100_2026-11-25.log)."""
-    gemm_tile_m: int = int(os.environ.get("TWELL_GEMM_TILE_M", "128"))
+    gemm_tile_m: int = int(os.environ.get("TWELL_GEMM_TILE_M", "256"))
     """The gate-times-up GEMM's schedule (dense path). 128: ping-pong (128 x 128 tiles, each consumer
-    warpgroup's epilogue hidden behind the other's MMAs); 256: cooperative (256 x 128 tiles, both
-    consumers on one tile, less L2 traffic per output, the epilogue run by a fourth warpgroup from a
-    staged tile) where its tiles fill the GPU. Ping-pong was faster: on an H200 against the cooperative
-    schedule with the epilogue in the consumers (5.0-5.1 against 5.5 ms at the 2B shape), and on an H100
-    against the staged one (2026-11-25, torch.profiler, every block dense: 0.63 against 0.67 ms at
-    M = 16384, 0.17 against 0.19 ms at 4096)."""
+    warpgroup's epilogue hidden behind the other's MMAs); 256: cooperative and staged (256 x 128 tiles,
+    both consumers on one tile, less L2 traffic per output; a fourth warpgroup applies the gate to the
+    staged tile and writes it out) where its tiles fill the GPU. The staged schedule is the faster one
+    (H100, 2026-11-25, torch.profiler, every block dense: 558 against 633-636 us at M = 16384, 4.41-4.55
+    against 5.03-5.05 ms per call at M = 131072); the cooperative one with the epilogue in the
+    consumers, before it, was slower than ping-pong (H200: 5.5 against 5.0-5.1 ms at the 2B shape)."""
     down_gemm_tile_m: int = int(os.environ.get("TWELL_DOWN_GEMM_TILE_M", "256"))
     """The dense-path down GEMM's schedule (as gemm_tile_m). Its K is the intermediate size, so its
     mainloop is long beside its epilogue and the cooperative tiles pay (H200, 2B shape: 4.0-4.1 against
