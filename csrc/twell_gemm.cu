@@ -895,7 +895,7 @@ __device__ __forceinline__ void write_staged(const EpilogueArgs& args, const Sme
 
 // Consumer warpgroups, mainloop then epilogue per tile (see the file comment). Ping-pong: the consumers
 // take alternate kept tiles, all 128 rows each. Cooperative: both take every tile, 128 rows each
-// (staged: the epilogue is stage_tile, the packer warpgroup's pack_staged the rest).
+// (staged: the epilogue is stage_tile; the fourth warpgroup's pack_staged or write_staged does the rest).
 template <typename T, Epilogue kMode, int kCluster, int kTileM>
 __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm, const BlockFilter& filter,
                                         const TileWalk<kCluster>& walk) {

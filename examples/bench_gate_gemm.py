@@ -9,8 +9,8 @@ and in ours; small values, so the activation keeps its sparsity.
 "pack" is the gate as the op runs it (``gate_twell_gemm``; by default 2x256, the staged schedule:
 CTA pairs of cooperative 256-row tiles, the packing epilogue staged through shared memory and run by a
 fourth warpgroup; 2x128 is ping-pong tiles); "store" is the dense-path GEMM with every block
-forced dense (``dense_block_gemm``), which writes the whole [M, N] product (2x256 there: cooperative
-tiles with the epilogue in the consumers). GPU only.
+forced dense (``dense_block_gemm``), which writes the whole [M, N] product (2x256 there: the staged
+schedule too, a fourth warpgroup writing the staged tile out). GPU only.
 
 ``--launches N`` only launches cuBLAS, then pack (2x256, then 2x128) and store in CTA pairs, N times
 each, untimed, for Nsight Compute, e.g. ``ncu --clock-control none --section SpeedOfLight -k
