@@ -106,19 +106,18 @@ enum class Epilogue { kTwellPack, kGateTimesUp, kStore };
 template <Epilogue kMode, int kTileM>
 struct Schedule {
   static_assert(kTileM == 128 || kTileM == 256, "ping-pong or cooperative");
-  static constexpr bool kCoop = kTileM == 256;
-  static constexpr bool kStaged = kCoop;
-  static constexpr int kThreads = kStaged ? 512 : 384;
+  static constexpr bool kCoop = kTileM == 256;  // and so staged: a fourth warpgroup, the staged tile
+  static constexpr int kThreads = kCoop ? 512 : 384;
   static constexpr int kBlocksPerTile = kTileM / kBlockM;
   static constexpr int kATileBytes = kTileM * kBlockK * 2;
   static constexpr int kBTileBytes = kBlockN * kBlockK * 2;
   static constexpr int kStageBytes = kATileBytes + kBTileBytes;
-  static constexpr int kStages = kStaged ? 3 : kRingBytes / kStageBytes;  // 6, 4, or 3 (staged)
+  static constexpr int kStages = kCoop ? 3 : kRingBytes / kStageBytes;  // 3, or 6 (ping-pong)
   static constexpr int kStageRingBytes = kStages * kStageBytes;
   // A staged row: 128 16-bit values and 16 bytes of padding, so that the 8 rows a consumer warp writes
   // at once fall in different banks.
   static constexpr int kStagedRowBytes = kBlockN * 2 + 16;
-  static constexpr int kStagedBytes = kStaged ? kTileM * kStagedRowBytes : 0;
+  static constexpr int kStagedBytes = kCoop ? kTileM * kStagedRowBytes : 0;
   static constexpr int kReleasingWarps = kCoop ? 8 : 4;            // consumer warps that read each stage
   static constexpr int kSmemBytes =
       kStageRingBytes + kStagedBytes + 1024 /* alignment */ + kBarrierBytes + kBitmapBlocks / 8;
@@ -900,7 +899,7 @@ template <typename T, Epilogue kMode, int kCluster, int kTileM>
 __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm, const BlockFilter& filter,
                                         const TileWalk<kCluster>& walk) {
   using S = Schedule<kMode, kTileM>;
-  ptx::setmaxnreg_inc<S::kStaged ? kStagedConsumerRegs : kConsumerRegs>();
+  ptx::setmaxnreg_inc<S::kCoop ? kStagedConsumerRegs : kConsumerRegs>();
   const int consumer = static_cast<int>(threadIdx.x) / 128 - 1;
   const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
   // This consumer's rows within a tile, and their offset in the stage's A slice (128 bytes per row).
@@ -941,7 +940,7 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
           ptx::mbarrier_wait(&sm.full[stage], (it / S::kStages) & 1);
           if (lane == 0) release_stage<kCluster>(sm, stage, walk.rank);
         }
-        if constexpr (S::kStaged) stage_tile<T>(acc_top, acc_bottom, false, j, tile_row0, pn, warp, lane, args, sm);
+        stage_tile<T>(acc_top, acc_bottom, false, j, tile_row0, pn, warp, lane, args, sm);
         continue;
       }
     }
@@ -975,7 +974,7 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
       }
       fence_operands(acc_top);
       fence_operands(acc_bottom);
-      if constexpr (S::kStaged) {
+      if constexpr (S::kCoop) {
         // 3 stages only (the staged tile has the fourth's memory), and the consumers waited on TMA data
         // about a third of the time (README). Each consumer waits for its own MMAs and frees the stage
         // at once (the other consumer's MMAs keep the tensor cores busy meanwhile), so a late stage no
@@ -991,8 +990,8 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
     ptx::wgmma_wait<0>();
     fence_operands(acc_top);
     fence_operands(acc_bottom);
-    if (!S::kStaged && lane == 0) release_stage<kCluster>(sm, prev_stage, walk.rank);
-    if constexpr (S::kStaged) {  // the packer warpgroup does the rest
+    if (!S::kCoop && lane == 0) release_stage<kCluster>(sm, prev_stage, walk.rank);
+    if constexpr (S::kCoop) {  // the fourth warpgroup does the rest
       stage_tile<T>(acc_top, acc_bottom, walk.real(pn), j, tile_row0, pn, warp, lane, args, sm);
       continue;
     }
@@ -1042,7 +1041,7 @@ __global__ void __launch_bounds__(Schedule<kMode, kTileM>::kThreads, 1) twell_ge
   } else if (threadIdx.x < 3 * 128) {
     consume<T, kMode, kCluster, kTileM>(args, sm, filter, walk);
   } else {
-    if constexpr (Schedule<kMode, kTileM>::kStaged) {
+    if constexpr (Schedule<kMode, kTileM>::kCoop) {
       if constexpr (kMode == Epilogue::kTwellPack) {
         pack_staged<T, kCluster>(args, sm, walk);
       } else {
