@@ -1,0 +1,112 @@
+"""The dense path's wgmma GEMMs (``dense_block_gemm``) on their own, in every schedule (``pytest -m cuda``).
+
+Gate times up must write exactly eager's ``relu(gate) * up`` of the rounded values in every column: the
+products at active units, and ``0 * up`` everywhere else, which is -0 where up is negative and NaN where
+it is not finite (an infinite weight puts +-inf in a whole column of up). Rows whose tile is past the
+gate's capacity take the gate from the backup that h then overwrites. The store epilogue must write
+the rounded product. Only the blocks the test marks dense are written: the other rows keep their
+poison, also inside a 256-row tile that holds one dense and one sparse block.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import requires_twell_kernels, twell_to_dense
+from twell_compile.testing import make_problem
+
+pytestmark = pytest.mark.cuda
+CAP = 8
+INT32_MAX = 2**31 - 1
+
+# (cluster, tile_m, ctas): ping-pong on the whole GPU, single CTAs and pairs; the staged cooperative
+# schedule on a small grid, so that its 256-row tiles run at this size (several tiles per CTA).
+SCHEDULES = {"pingpong": (1, 128, None), "pingpong-pairs": (2, 128, None), "staged": (1, 256, 2),
+             "staged-pairs": (2, 256, 4)}
+# M = 520: blocks of 128 rows 0-4, the last of 8 rows. Blocks 0, 2, 3 and 4 dense, block 1 sparse: the
+# first 256-row tile holds one of each, the last one 8 rows and a half past the end.
+M, DENSE_BLOCKS = 520, (0, 2, 3, 4)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def _assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Equal bit patterns (so -0 differs from 0), any NaN matching any NaN."""
+    nan = expected.isnan()
+    assert torch.equal(actual.isnan(), nan), f"{what}: NaN in other places"
+    mismatch = (_bits(actual) != _bits(expected)) & ~nan
+    assert not mismatch.any(), f"{what}: {int(mismatch.sum())} elements differ, first at {mismatch.nonzero()[0].tolist()}"
+
+
+def _block_nnz(m: int, dense_blocks) -> torch.Tensor:
+    """A block test that marks exactly `dense_blocks` dense under thresholds (0, 0, INT32_MAX)."""
+    blocks = -(-m // 128)
+    nnz = torch.zeros(2 * blocks, dtype=torch.int32, device="cuda")
+    nnz[list(dense_blocks)] = 1
+    return nnz
+
+
+def _dense_block_gemm(a, b, bias, c, block_nnz, schedule, gate=None):
+    from twell_compile.kernels import build
+
+    cluster, tile_m, ctas = SCHEDULES[schedule]
+    if ctas is None:
+        ctas = torch.cuda.get_device_properties(a.device).multi_processor_count
+    packed, counts = gate if gate is not None else (None, None)
+    build.cuda_extension().dense_block_gemm(a, b, bias, c, block_nnz, packed, counts, 0, 0, INT32_MAX, ctas,
+                                            cluster, tile_m, 1)
+    return c
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_dense_path_gemms_write_eager_products_bitwise(dtype, schedule):
+    from twell_compile.kernels import build
+
+    # K = 264 (not a multiple of 64), 8 gate tiles (the last 104 wide), a 200-wide output (2 tiles).
+    problem = make_problem(M, 264, 1000, 200, nnz_per_row=20.0, bias=True, dtype=dtype, dense_rows=(5, 200, 300))
+    x, up_weight = problem.x.clone(), problem.up_weight.clone()
+    up_weight[17, 3] = float("inf")  # up's column 17 is +-inf in every row
+    x[400, 9] = float("nan")          # row 400: every gate and up value NaN (its tiles past capacity)
+    rows_dense = torch.zeros(M, dtype=torch.bool, device="cuda")
+    for blk in DENSE_BLOCKS:
+        rows_dense[blk * 128:(blk + 1) * 128] = True
+    all_blocks = _block_nnz(M, range(-(-M // 128)))
+    some_blocks = _block_nnz(M, DENSE_BLOCKS)
+
+    # The gate's TwELL output (ping-pong), then up rounded by the same GEMM engine (store epilogue).
+    tiles = -(-1000 // 128)
+    packed = torch.full((M, tiles, CAP), -7, dtype=torch.int32, device="cuda")
+    counts = torch.full((M, tiles), -7, dtype=torch.int32, device="cuda")
+    backup = torch.full((M, 1000), float("nan"), dtype=dtype, device="cuda")
+    gate_block_nnz = torch.zeros_like(all_blocks)
+    build.cuda_extension().gate_twell_gemm(x, problem.gate_weight, problem.gate_bias, packed, counts, backup,
+                                           gate_block_nnz, torch.cuda.get_device_properties(0).multi_processor_count,
+                                           1, 128, 1)
+    assert (counts[5] > CAP).all() and (counts[200] > CAP).all() and (counts[400] > CAP).all()
+    assert (counts <= CAP).float().mean() > 0.9
+    up = _dense_block_gemm(x, up_weight, problem.up_bias, torch.full_like(backup, 3.0), all_blocks, "pingpong")
+    assert up[:, 17].isinf().sum() > M // 2 and (up < 0).any()
+    relu_gate = twell_to_dense(packed, counts, backup).to(dtype)  # exact: every value is a dtype value
+    expected_h = relu_gate * up  # one rounding of an exact product, as the kernels' mul_pairs
+    assert (_bits(expected_h) == _bits(torch.tensor(-0.0, dtype=dtype))).any(), "no -0 to check"
+
+    h = _dense_block_gemm(x, up_weight, problem.up_bias, backup.clone(), some_blocks, schedule, (packed, counts))
+    _assert_same_bits(h[rows_dense], expected_h[rows_dense], f"gate times up, {schedule}")
+    _assert_same_bits(h[~rows_dense], backup[~rows_dense], f"gate times up left the sparse block alone, {schedule}")
+
+    # The store epilogue: the ping-pong result bit for bit, close to float64, poison outside.
+    h_finite = torch.where(h.isfinite(), h, torch.zeros_like(h))
+    poison = torch.full((M, 200), float("nan"), dtype=dtype, device="cuda")
+    out = _dense_block_gemm(h_finite, problem.down_weight, problem.down_bias, poison.clone(), some_blocks, schedule)
+    reference = _dense_block_gemm(h_finite, problem.down_weight, problem.down_bias, poison.clone(), some_blocks,
+                                  "pingpong")
+    _assert_same_bits(out, reference, f"store, {schedule}")
+    assert out[~rows_dense].isnan().all()
+    out64 = h_finite.double() @ problem.down_weight.double().t() + problem.down_bias.double()
+    err = (out[rows_dense].double() - out64[rows_dense]).norm() / out64[rows_dense].norm()
+    assert err < 4e-3, err
