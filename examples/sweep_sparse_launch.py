@@ -11,7 +11,8 @@ per tile of the wgmma GEMMs (gate, and the dense path past 64 rows); ``chunked/R
 sparse kernel (csrc/twell_sparse_chunked.cu) for calls of at least R rows (0: never); ``cublas/A-B``
 the dense MLP through cuBLAS for calls of A to B rows (``cublas/0``: never); ``gatetile/128`` or
 ``/256`` the gate GEMM's schedule (config.gate_gemm_tile_m); ``gemvcluster/C`` the decode GEMVs' CTAs per
-cluster (config.decode_gemv_cluster; 0: their own choice); parts combine with ``+``.
+cluster (config.decode_gemv_cluster; 0: their own choice); ``densegemv/0`` runs the dense path of calls of at
+most 64 rows on the wgmma GEMMs instead of the split-K GEMVs (config.decode_dense_gemv); parts combine with ``+``.
 
     python examples/sweep_sparse_launch.py --m 128 256 512 1024 2048 4096 --nnz 24 39
 """
@@ -38,6 +39,7 @@ default_chunked_rows = twell_mlp.config.chunked_sparse_rows
 default_cublas_rows = twell_mlp.config.cublas_rows
 default_gate_tile_m = twell_mlp.config.gate_gemm_tile_m
 default_gemv_cluster = twell_mlp.config.decode_gemv_cluster
+default_dense_gemv = twell_mlp.config.decode_dense_gemv
 
 
 def dense_mlp(x, wg, wu, wd):
@@ -53,7 +55,8 @@ def use_choice(choice: str) -> None:
     ``chunked/R`` runs the chunked sparse kernel from R rows on (0: never); ``cublas/A-B`` gives calls of
     A to B rows to cuBLAS's dense MLP (``cublas/0``: none, the TwELL path everywhere); ``gatetile/T``
     sets the gate GEMM's schedule (128 ping-pong, 256 cooperative where its tiles fill the GPU);
-    ``gemvcluster/C`` the decode GEMVs' cluster size (0: chosen per launch). Parts
+    ``gemvcluster/C`` the decode GEMVs' cluster size (0: chosen per launch); ``densegemv/0`` the dense path
+    of calls of at most 64 rows on the wgmma GEMMs. Parts
     joined by ``+`` combine (``path/dense+ksplit/1``)."""
     twell_mlp._column_splits = default_column_splits
     twell_mlp._sparse_threads, twell_mlp._sparse_cluster = default_threads, default_cluster
@@ -66,6 +69,7 @@ def use_choice(choice: str) -> None:
     cfg.cublas_rows = default_cublas_rows
     cfg.gate_gemm_tile_m = default_gate_tile_m
     cfg.decode_gemv_cluster = default_gemv_cluster
+    cfg.decode_dense_gemv = default_dense_gemv
     for part in choice.split("+"):
         _apply(part)
     twell_mlp._PLANS.clear()
@@ -96,6 +100,8 @@ def _apply(part: str) -> None:
         cfg.gate_gemm_tile_m = int(value)
     elif kind == "gemvcluster":
         cfg.decode_gemv_cluster = int(value)
+    elif kind == "densegemv":
+        cfg.decode_dense_gemv = value != "0"
     elif kind == "columns":
         twell_mlp._sparse_threads = lambda m, threads=int(value): threads
         twell_mlp._sparse_cluster = lambda m, sms: 1
