@@ -224,7 +224,7 @@ def test_step_by_step_path_launches_what_the_one_call_path_launches(monkeypatch)
         assert out.shape == (m, 32)
         assert calls == ["mlp_forward", *kernels], (m, gated)
     # With the default cuBLAS rows, M = 300 is one call to the dense MLP through cuBLAS, and nothing else.
-    monkeypatch.setattr(twell_mlp.config, "cublas_rows", (64, 512))
+    monkeypatch.setattr(twell_mlp.config, "cublas_rows", twell_mlp.KernelConfig().cublas_rows)
     for gated in (True, False):
         calls.clear()
         out = twell_mlp.twell_mlp(torch.randn(300, 32, dtype=torch.bfloat16), weight, None, weight if gated else None,
@@ -233,7 +233,7 @@ def test_step_by_step_path_launches_what_the_one_call_path_launches(monkeypatch)
 
 
 def test_cublas_rows_are_a_host_side_choice_by_row_count(monkeypatch):
-    """Calls of 64-512 rows (the default) run the dense MLP through cuBLAS; the setting moves the range
+    """Calls of 33-512 rows (the default) run the dense MLP through cuBLAS; the setting moves the range
     ("A-B", both ends included) or switches it off ("0"), and a changed setting drops the cached plans."""
     import types
 
@@ -246,10 +246,12 @@ def test_cublas_rows_are_a_host_side_choice_by_row_count(monkeypatch):
     monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
     monkeypatch.setattr(build, "cuda_extension", lambda: ext)
     device = torch.device("cuda", 0)
-    assert twell_mlp._row_range("64-512") == (64, 512) == twell_mlp.KernelConfig().cublas_rows
-    monkeypatch.setattr(twell_mlp.config, "cublas_rows", (64, 512))
-    routed = {m: twell_mlp.call_plan(m, 5632, 2048, device).cublas for m in (1, 63, 64, 65, 300, 512, 513, 131072)}
-    assert routed == {1: False, 63: False, 64: True, 65: True, 300: True, 512: True, 513: False, 131072: False}
+    assert twell_mlp._row_range("33-512") == (33, 512) == twell_mlp.KernelConfig().cublas_rows
+    monkeypatch.setattr(twell_mlp.config, "cublas_rows", (33, 512))
+    routed = {m: twell_mlp.call_plan(m, 5632, 2048, device).cublas for m in (1, 32, 33, 64, 300, 512, 513, 131072)}
+    assert routed == {1: False, 32: False, 33: True, 64: True, 300: True, 512: True, 513: False, 131072: False}
+    monkeypatch.setattr(twell_mlp.config, "cublas_rows", twell_mlp._row_range("64-512"))
+    assert not twell_mlp.call_plan(63, 5632, 2048, device).cublas and twell_mlp.call_plan(64, 5632, 2048, device).cublas
     assert twell_mlp.call_plan(300, 5632, 2048, device).cuda is None
     monkeypatch.setattr(twell_mlp.config, "cublas_rows", twell_mlp._row_range("0"))
     assert not twell_mlp.call_plan(300, 5632, 2048, device).cublas

@@ -1,8 +1,8 @@
 """The TwELL path of the twell ops on CUDA: gate GEMM with packing epilogue, then sparse up + down.
 
 Per call, all on PyTorch's current stream, allocations through its caching allocator, no host sync
-(calls of ``config.cublas_rows`` rows, 64-512 by default, instead run the dense MLP through cuBLAS,
-``csrc/twell_cublas_mlp.cu``: no TwELL path beats it there):
+(calls of ``config.cublas_rows`` rows, 33-512 by default, instead run the dense MLP through cuBLAS,
+``csrc/twell_cublas_mlp.cu``: no TwELL path beats it there on every activation):
   1. the gate GEMM (``csrc/twell_gemm.cu``: TMA + wgmma, warp-specialised, on 128 x 128 tiles, in CTA
      pairs sharing x tiles where there are enough tiles; at most 64 rows, the split-K GEMV of
      ``csrc/twell_decode_gemv.cu``; the Triton ``gate_twell_kernel`` for rows TMA cannot load, or with
@@ -162,7 +162,7 @@ class KernelConfig:
     helps the row-by-row kernel's caches) it was 1.3% slower: 1026.7 against 1013.8 ms. Its rows of
     more than 256 active units run as a compact dense MLP (csrc/twell_heavy_rows.cu), whose buffers
     take up to an eighth of the call's rows (about 320 MB at M = 131072, 2B shape) while it runs."""
-    cublas_rows: tuple[int, int] = _row_range(os.environ.get("TWELL_CUBLAS_ROWS", "64-512"))
+    cublas_rows: tuple[int, int] = _row_range(os.environ.get("TWELL_CUBLAS_ROWS", "33-512"))
     """Calls whose row count lies in this range (both ends included; ``TWELL_CUBLAS_ROWS="A-B"``, ``"0"``
     for none) run the dense MLP through PyTorch's GEMMs (cuBLAS, ``csrc/twell_cublas_mlp.cu``) instead
     of a TwELL path. There no TwELL path measured faster than cuBLAS on the 2B shape: at 65-256 rows
@@ -171,11 +171,14 @@ class KernelConfig:
     dense at 24 active units per row; M = 256, 62.0 against 51.7; skewed calls 0.35-0.65x dense).
     At 64 rows too: there the TwELL path was 1.03x, 0.95x and 0.72x dense at 24, 39 and 80 active units
     per row and 0.57-0.90x skewed, where the route took 1.04-1.06x uniform and 1.02-1.05x skewed (H100,
-    CUDA graphs, 2026-11-25; the decode GEMVs of its dense path are slower than cuBLAS's). At 56 and 60
-    rows TwELL still won at 24-39 units (1.11-1.22x against 0.96-1.05x) and lost on skewed or 80-unit
-    rows, the trade made from 33 rows on, so those sizes stay on TwELL. The choice is by row count only,
-    on the host: no sync, and the same result whatever the activation. README, "The decode GEMVs,
-    measured"."""
+    CUDA graphs, 2026-11-25; the decode GEMVs of its dense path are slower than cuBLAS's). And from 33
+    rows on: there TwELL won only on uniform activations at 24-39 units (1.11-1.22x against 0.96-1.06x),
+    tied or lost on skewed ones at 24 (0.80-1.02x against 0.98-1.06x), and lost up to 1.7x at 80 units
+    or skewed 39-80 (0.58-0.89x), where the route stays at 1.02-1.07x: the issue's "low sparsity never
+    costs much" decides it (H100, CUDA graphs, 2026-11-25). Up to 32 rows TwELL stays (1.24-1.86x at
+    24 active units; 0.76x at 32 skewed rows with 39-80). The choice is by row count only, on the host:
+    no sync, and the same result whatever the activation. README, "The decode GEMVs, measured" and "The
+    cooperative GEMMs' last wave split along K"."""
     tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
     """Let the Triton kernels load through TMA descriptors where rows allow (off: pointer loads)."""
     poison_buffers: bool = False
