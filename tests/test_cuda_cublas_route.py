@@ -58,6 +58,7 @@ def test_records_the_activation_and_every_block_dense():
     assert call.rows == 256 and call.max_nnz_per_row == 5632
     assert 20 < call.mean_nnz_per_row < 60
     assert (call.overflow_rows, call.dense_blocks, call.blocks) == (0, 2, 2)
+    assert call.path == "cublas"
 
 
 @requires_twell_kernels
@@ -70,7 +71,7 @@ def test_ends_of_the_range_run_the_twell_kernels():
     with twell_compile.record_sparsity() as rec:
         torch.ops.twell.gated_relu_mlp(*problem.gated_args())
     (call,) = rec.calls()
-    assert call.dense_blocks == 0
+    assert call.dense_blocks == 0 and call.path == "twell"
 
 
 @requires_twell_kernels

@@ -204,7 +204,7 @@ def test_sparsity_stats_recorded_without_changing_results():
     with twell_compile.record_sparsity() as rec:
         torch.ops.twell.gated_relu_mlp(*problem.gated_args())
     (call,) = rec.calls()
-    assert call.rows == 1024 and call.max_nnz_per_row == 5632
+    assert call.rows == 1024 and call.max_nnz_per_row == 5632 and call.path == "twell"
     assert 20 < call.mean_nnz_per_row < 40
     assert call.overflow_rows >= 1
 

@@ -87,6 +87,7 @@ def test_compiled_model_runs_twell_kernels_and_matches_eager(name):
     assert len(calls) == LAYERS
     # Only the kernel path reports overflow rows and dense blocks; the reference path leaves them None.
     assert all(call.blocks is not None and call.overflow_rows is not None for call in calls)
+    assert all(call.path == "twell" for call in calls)
     if name in SPARSE:
         assert all(0 < call.mean_nnz_per_row < 0.05 * INTERMEDIATE for call in calls), [c.mean_nnz_per_row for c in calls]
         assert all(call.dense_blocks == 0 for call in calls)

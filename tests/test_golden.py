@@ -139,6 +139,6 @@ twell rewrite report for GraphModule: 3 candidate block(s), 2 rewritten (1 gated
   passes: relu_mlp_fusion <time>
 
 === sparsity of the rewritten blocks on the example inputs (one row per op call) ===
-call op                  rows  width mean nnz/row max nnz/row overflow rows dense blocks
-   0 gated_relu_mlp         6     16         9.17          11             -            -
-   1 relu_mlp               6     16         8.33          10             -            -""")
+call op                  rows  width mean nnz/row max nnz/row overflow rows dense blocks path
+   0 gated_relu_mlp         6     16         9.17          11             -            - reference
+   1 relu_mlp               6     16         8.33          10             -            - reference""")

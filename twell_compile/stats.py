@@ -5,8 +5,10 @@
     print(rec.table())
 
 While a recorder is active, every twell op call appends device tensors (active units per row, rows
-that overflowed a tile's capacity, 128-row blocks that took the dense path); they are read back only
-when the summary is asked for. Calls are numbered in execution order, which for a compiled model is
+that overflowed a tile's capacity, 128-row blocks that took the dense path) and which path ran it
+(``twell``: the TwELL kernels; ``cublas``: the dense MLP through cuBLAS, which calls of some sizes take
+whatever their activation; ``reference``: the plain-PyTorch path of CPUs, float32 and GPUs without
+the kernels). The tensors are read back only when the summary is asked for. Calls are numbered in execution order, which for a compiled model is
 layer order. Kernels replayed from a CUDA graph run no Python, so nothing is recorded for them:
 record with ``mode="default"``.
 """
@@ -19,6 +21,7 @@ import dataclasses
 import torch
 
 _ACTIVE: list["SparsityRecorder"] = []
+PATHS = ("twell", "cublas", "reference")
 
 
 @dataclasses.dataclass
@@ -31,14 +34,18 @@ class CallStats:
     overflow_rows: int | None
     dense_blocks: int | None
     blocks: int | None
+    path: str  # "twell", "cublas" or "reference" (see the module docstring)
 
 
 class SparsityRecorder:
     def __init__(self) -> None:
-        self._pending: list[tuple[str, int, int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int | None]] = []
+        self._pending: list[tuple[str, int, int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int | None,
+                                  str]] = []
 
     def add(self, op: str, nnz_per_row: torch.Tensor, width: int, overflow_rows: torch.Tensor | None = None,
-            block_dense: torch.Tensor | None = None) -> None:
+            block_dense: torch.Tensor | None = None, *, path: str) -> None:
+        if path not in PATHS:
+            raise ValueError(f"twell: unknown path {path!r} (expected one of {', '.join(PATHS)})")
         rows = nnz_per_row.numel()
         packed = torch.stack([nnz_per_row.sum(dtype=torch.int64), nnz_per_row.max().to(torch.int64)]) if rows else None
         self._pending.append((
@@ -46,26 +53,27 @@ class SparsityRecorder:
             None if overflow_rows is None else overflow_rows.sum(dtype=torch.int64),
             None if block_dense is None else block_dense.sum(dtype=torch.int64),
             None if block_dense is None else block_dense.numel(),
+            path,
         ))
 
     def calls(self) -> list[CallStats]:
         """One entry per recorded op call, in call order (reads the device tensors: syncs once)."""
         out = []
-        for op, rows, width, packed, overflow, dense, blocks in self._pending:
+        for op, rows, width, packed, overflow, dense, blocks, path in self._pending:
             total, most = packed.tolist() if packed is not None else (0, 0)
             out.append(CallStats(op, rows, width, total / max(rows, 1), most,
                                  None if overflow is None else int(overflow),
-                                 None if dense is None else int(dense), blocks))
+                                 None if dense is None else int(dense), blocks, path))
         return out
 
     def table(self) -> str:
         lines = [f"{'call':>4} {'op':<15} {'rows':>8} {'width':>6} {'mean nnz/row':>12} {'max nnz/row':>11} "
-                 f"{'overflow rows':>13} {'dense blocks':>12}"]
+                 f"{'overflow rows':>13} {'dense blocks':>12} {'path':<9}"]
         for i, c in enumerate(self.calls()):
             overflow = "-" if c.overflow_rows is None else str(c.overflow_rows)
             dense = "-" if c.dense_blocks is None else f"{c.dense_blocks}/{c.blocks}"
             lines.append(f"{i:>4} {c.op:<15} {c.rows:>8} {c.width:>6} {c.mean_nnz_per_row:>12.2f} "
-                         f"{c.max_nnz_per_row:>11} {overflow:>13} {dense:>12}")
+                         f"{c.max_nnz_per_row:>11} {overflow:>13} {dense:>12} {c.path:<9}".rstrip())
         return "\n".join(lines)
 
 

@@ -28,7 +28,7 @@ def _record_reference_stats(op: str, x: Tensor, weight: Tensor, bias: Tensor | N
     if recorder is not None:
         pre_activation = torch.nn.functional.linear(x, weight, bias)
         active = (pre_activation > 0) | pre_activation.isnan()
-        recorder.add(op, active.reshape(-1, active.shape[-1]).sum(1), active.shape[-1])
+        recorder.add(op, active.reshape(-1, active.shape[-1]).sum(1), active.shape[-1], path="reference")
 
 
 def reference_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) -> Tensor:

@@ -537,21 +537,23 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     recorder = stats.active_recorder()
     if recorder is not None:
         recorder.add("gated_relu_mlp" if gated else "relu_mlp", counts.sum(1), f,
-                     overflow_rows=(counts > cap).any(1), block_dense=block_dense(block_nnz, thresholds))
+                     overflow_rows=(counts > cap).any(1), block_dense=block_dense(block_nnz, thresholds),
+                     path="twell")
     return out.view(*x.shape[:-1], d)
 
 
 def _cublas_mlp(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight: Tensor | None,
                 up_bias: Tensor | None, down_weight: Tensor, down_bias: Tensor | None) -> Tensor:
     """The dense MLP through cuBLAS (``config.cublas_rows``). Under a sparsity recorder the call still
-    reports its activation's active units; every block counts as dense and no row as overflowing."""
+    reports its activation's active units, with the path ``cublas``; every block counts as dense and no
+    row as overflowing."""
     out, act = build.cuda_extension().cublas_mlp(x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias)
     recorder = stats.active_recorder()
     if recorder is not None:
         m, f = act.shape
         recorder.add("gated_relu_mlp" if up_weight is not None else "relu_mlp", ((act > 0) | act.isnan()).sum(1), f,
                      overflow_rows=act.new_zeros(m, dtype=torch.bool),
-                     block_dense=act.new_ones(-(-m // DECISION_ROWS), dtype=torch.bool))
+                     block_dense=act.new_ones(-(-m // DECISION_ROWS), dtype=torch.bool), path="cublas")
     return out
 
 

@@ -1,0 +1,37 @@
+"""record_sparsity on the CPU: what the reference path records, the table, and the path names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import twell_compile
+from twell_compile import stats
+from twell_compile.testing import make_problem
+
+
+def test_reference_path_records_its_activation_and_path():
+    problem = make_problem(40, 64, 256, 48, nnz_per_row=20.0, dtype=torch.float32, device="cpu", dense_rows=(3,))
+    torch.ops.twell.gated_relu_mlp(*problem.gated_args())  # outside a recorder: nothing kept
+    with twell_compile.record_sparsity() as rec:
+        torch.ops.twell.gated_relu_mlp(*problem.gated_args())
+        torch.ops.twell.relu_mlp(*problem.non_gated_args())
+    gated, non_gated = rec.calls()
+    pre = problem.x @ problem.gate_weight.t()
+    assert (gated.op, gated.rows, gated.width, gated.path) == ("gated_relu_mlp", 40, 256, "reference")
+    assert gated.max_nnz_per_row == 256  # the dense row
+    assert gated.mean_nnz_per_row == pytest.approx((pre > 0).sum(1).double().mean().item())
+    # Only the TwELL kernels decide blocks and capacity: the reference leaves those None.
+    assert (gated.overflow_rows, gated.dense_blocks, gated.blocks) == (None, None, None)
+    assert (non_gated.op, non_gated.path) == ("relu_mlp", "reference")
+    header, *rows = rec.table().splitlines()
+    assert header.split()[-1] == "path" and len(rows) == 2
+    assert rows[0].split()[-1] == "reference" and rows[0].split()[-3:-1] == ["-", "-"]
+
+
+def test_path_names_are_checked():
+    recorder = stats.SparsityRecorder()
+    recorder.add("relu_mlp", torch.tensor([1, 2]), 8, path="cublas")
+    assert recorder.calls()[0].path == "cublas"
+    with pytest.raises(ValueError, match="unknown path 'dense'"):
+        recorder.add("relu_mlp", torch.tensor([1]), 8, path="dense")
