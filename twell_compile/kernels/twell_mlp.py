@@ -175,8 +175,9 @@ class KernelConfig:
     rows on: there TwELL won only on uniform activations at 24-39 units (1.11-1.22x against 0.96-1.06x),
     tied or lost on skewed ones at 24 (0.80-1.02x against 0.98-1.06x), and lost up to 1.7x at 80 units
     or skewed 39-80 (0.58-0.89x), where the route stays at 1.02-1.07x: the issue's "low sparsity never
-    costs much" decides it (H100, CUDA graphs, 2026-11-25). Up to 32 rows TwELL stays (1.24-1.86x at
-    24 active units; 0.76x at 32 skewed rows with 39-80). The choice is by row count only, on the host:
+    costs much" decides it (H100, CUDA graphs, 2026-11-25). Up to 32 rows TwELL stays (1.24-1.79x at
+    8-24 rows, skewed rows included; at 32 rows 1.26-1.28x uniform at 24 units, but 0.73-0.86x in one
+    run on skewed rows). The choice is by row count only, on the host:
     no sync, and the same result whatever the activation. README, "The decode GEMVs, measured" and "The
     cooperative GEMMs' last wave split along K"."""
     tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
