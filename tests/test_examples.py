@@ -67,3 +67,19 @@ def test_mma_gather_model():
     out = run_example("mma_gather_model.py")
     assert "up projection, m16n8k8, 4 rotated variants: True" in out
     assert "down projection, m16n8k16, block-diagonal h: True" in out
+
+
+def test_save_outputs_compare(tmp_path):
+    """The A/B output check flags a single flipped bit (the saving half needs a GPU)."""
+    import torch
+
+    a = {"case": torch.randn(4, 8).to(torch.bfloat16)}
+    b = {"case": a["case"].clone()}
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    assert "bitwise equal" in run_example("save_outputs.py", "compare", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"))
+    b["case"].view(torch.int16)[1, 2] ^= 1
+    torch.save(b, tmp_path / "b.pt")
+    result = subprocess.run([sys.executable, str(EXAMPLES / "save_outputs.py"), "compare", str(tmp_path / "a.pt"),
+                             str(tmp_path / "b.pt")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1 and "DIFFERENT" in result.stdout, result.stdout + result.stderr
