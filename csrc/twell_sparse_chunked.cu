@@ -420,14 +420,14 @@ __device__ void schedule_bank_steps(uint64_t per_group, int left, int steps, int
   const uint32_t all[4] = {~0u, ~0u, ~0u, ~0u};
   for (int j = 0; j < steps; ++j) {
     uint32_t taken = 0;                         // groups the quarter's lanes read at this step
-    uint32_t free[4] = {~0u, ~0u, ~0u, ~0u};  // the same, as key halves cleared
+    uint32_t untaken[4] = {~0u, ~0u, ~0u, ~0u};  // the same, as masks with taken halves cleared
     int mine = -1;
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const int actor = (k + j) & 7;
       int want = -1;
       if (q == actor) {
-        want = keys.fullest(free);
+        want = keys.fullest(untaken);
         if (want < 0 && left >= steps - j) want = keys.fullest(all);  // no position to spare
       }
       want = __shfl_sync(0xffffffffu, want, quarter | actor);
@@ -435,7 +435,7 @@ __device__ void schedule_bank_steps(uint64_t per_group, int left, int steps, int
         taken |= 1u << want;
         const uint32_t keep = ~(0xffffu << (16 * (want & 1)));
 #pragma unroll
-        for (int i = 0; i < 4; ++i) free[i] &= want / 2 == i ? keep : ~0u;
+        for (int i = 0; i < 4; ++i) untaken[i] &= want / 2 == i ? keep : ~0u;
       }
       if (q == actor) mine = want;
     }
