@@ -3,8 +3,9 @@
 Per call, all on PyTorch's current stream, allocations through its caching allocator, no host sync
 (calls of ``config.cublas_rows`` rows, 33-512 by default, instead run the dense MLP through cuBLAS,
 ``csrc/twell_cublas_mlp.cu``: no TwELL path beats it there on every activation):
-  1. the gate GEMM (``csrc/twell_gemm.cu``: TMA + wgmma, warp-specialised, on 128 x 128 tiles, in CTA
-     pairs sharing x tiles where there are enough tiles; at most 64 rows, the split-K GEMV of
+  1. the gate GEMM (``csrc/twell_gemm.cu``: TMA + wgmma, warp-specialised, on 256 x 128 tiles with a
+     staged packing epilogue, 128 x 128 ping-pong tiles where those are too few, in CTA pairs sharing
+     x tiles where there are enough tiles; at most 64 rows, the split-K GEMV of
      ``csrc/twell_decode_gemv.cu``; the Triton ``gate_twell_kernel`` for rows TMA cannot load, or with
      the wgmma GEMM switched off): relu(x W^T + b) packed per (row, N-tile),
      overflowing tiles to a dense backup, active counts summed per 128-row block;
