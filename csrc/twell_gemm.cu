@@ -428,6 +428,29 @@ __device__ __forceinline__ void store_rows(const float (&acc)[64], int row0, int
   }
 }
 
+// This thread's bias for its tile's columns 8 q + 2 (lane % 4) + {0, 1}, as 16 pairs of 16-bit values
+// (lo in the low half; zero past N), loaded when the tile's mainloop starts and added in the staged
+// schedule's epilogue (stage_tile). Loaded in the epilogue itself, after the tile's last MMAs, the bias
+// cost the staged gate 4.0% at the 2B shape: the consumers waited out an L2 round trip per tile with
+// the tensor cores idle (H100, 2026-11-25, M = 131072: 4125 us, against 3966 without a bias and 4011
+// loaded early).
+template <typename T>
+__device__ __forceinline__ void load_bias_pairs(const EpilogueArgs& args, int tile, int lane, uint32_t (&pairs)[16]) {
+  const int cols_left = args.N - tile * kBlockN, lq = lane & 3;
+  const uint16_t* bias = static_cast<const uint16_t*>(args.bias) + tile * kBlockN;
+  const bool aligned = (reinterpret_cast<uintptr_t>(args.bias) & 3u) == 0;  // every pair one 4-byte load
+#pragma unroll
+  for (int q = 0; q < 16; ++q) {
+    const int col = q * 8 + lq * 2;
+    if (aligned && col + 1 < cols_left) {
+      pairs[q] = __ldg(reinterpret_cast<const uint32_t*>(bias + col));
+    } else {
+      const uint32_t lo = col < cols_left ? bias[col] : 0u, hi = col + 1 < cols_left ? bias[col + 1] : 0u;
+      pairs[q] = lo | hi << 16;
+    }
+  }
+}
+
 // The epilogue of one accumulator chain: 64 rows (this thread's row0 and row0 + 8) by one 128-wide
 // TwELL tile. Folds the bias in, then packs or stores; returns the pack's counts through nnz/overflowed.
 template <typename T, Epilogue kMode>
@@ -616,25 +639,12 @@ __device__ __forceinline__ bool sum_split_partials(float (&acc_top)[64], float (
 // and tells the packer the tile is there. The accumulator's layout is stmatrix's fragment layout: a
 // warp's 8 x 8 blocks (rows 8 half + 0..7 of its 16, columns 8 q + 0..7) go out four per instruction.
 template <typename T>
-__device__ __forceinline__ void stage_tile(const float (&acc_top)[64], const float (&acc_bottom)[64], bool write, int j,
-                                           int tile_row0, int tile, int warp, int lane, const EpilogueArgs& args,
-                                           const Smem& sm) {
+__device__ __forceinline__ void stage_tile(const float (&acc_top)[64], const float (&acc_bottom)[64],
+                                           const uint32_t (&bias_pairs)[16], bool write, int j, int tile_row0,
+                                           int warp, int lane, const EpilogueArgs& args, const Smem& sm) {
   using S = Schedule<Epilogue::kTwellPack, 256>;
   if (j > 0) ptx::mbarrier_wait(sm.staged_free, (j - 1) & 1);
   if (write) {
-    const int lq = lane & 3;
-    const int cols_left = args.N - tile * kBlockN;
-    // This thread's columns 8 q + 2 lq + {0, 1}: their bias, loaded once for its four rows.
-    float bias_lo[16], bias_hi[16];
-    if (args.bias != nullptr) {
-      const T* bias = static_cast<const T*>(args.bias) + tile * kBlockN;
-#pragma unroll
-      for (int q = 0; q < 16; ++q) {
-        const int col = q * 8 + lq * 2;
-        bias_lo[q] = col < cols_left ? Dtype16<T>::to_float(bias[col]) : 0.f;
-        bias_hi[q] = col + 1 < cols_left ? Dtype16<T>::to_float(bias[col + 1]) : 0.f;
-      }
-    }
     // Lane l addresses row l % 8 of matrix l / 8 = (column block q + (l / 16), row half (l / 8) % 2).
     const int matrix = lane / 8;
     const uint32_t base = ptx::smem_addr(sm.staged) +
@@ -650,7 +660,10 @@ __device__ __forceinline__ void stage_tile(const float (&acc_top)[64], const flo
         for (int i = 0; i < 4; ++i) {
           const int qi = q + i / 2, half = i % 2;
           float lo = acc[4 * qi + 2 * half], hi = acc[4 * qi + 2 * half + 1];
-          if (args.bias != nullptr) lo += bias_lo[qi], hi += bias_hi[qi];
+          if (args.bias != nullptr) {  // this thread's columns' bias serves its four rows
+            lo += Dtype16<T>::value(bias_pairs[qi] & 0xffffu);
+            hi += Dtype16<T>::value(bias_pairs[qi] >> 16);
+          }
           pairs[i] = Dtype16<T>::pair_bits(lo, hi);
         }
         ptx::stmatrix_x4(base + 64 * chain * S::kStagedRowBytes + 16 * q, pairs[0], pairs[1], pairs[2], pairs[3]);
@@ -926,6 +939,11 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
       if (j > 0) ptx::mbarrier_wait(&sm.turn[consumer], ((j - 1) / 2) & 1);
     }
     const int block = pm * S::kBlocksPerTile + (S::kCoop ? consumer : 0);  // this consumer's decision block
+    uint32_t bias_pairs[16];  // staged schedule (ping-pong loads its bias in finish_chunk: with these
+                              // registers held through the mainloop, its consumers spilled)
+    if constexpr (S::kCoop) {
+      if (args.bias != nullptr && walk.real(pn)) load_bias_pairs<T>(args, pn, lane, bias_pairs);
+    }
     const int first_row = pm * kTileM + tile_row0;
     if constexpr (S::kCoop) {
       // Rows past the end, or on the dense path a block left to the sparse path, need no MMAs (the
@@ -940,7 +958,7 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
           ptx::mbarrier_wait(&sm.full[stage], (it / S::kStages) & 1);
           if (lane == 0) release_stage<kCluster>(sm, stage, walk.rank);
         }
-        stage_tile<T>(acc_top, acc_bottom, false, j, tile_row0, pn, warp, lane, args, sm);
+        stage_tile<T>(acc_top, acc_bottom, bias_pairs, false, j, tile_row0, warp, lane, args, sm);
         continue;
       }
     }
@@ -992,7 +1010,7 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
     fence_operands(acc_bottom);
     if (!S::kCoop && lane == 0) release_stage<kCluster>(sm, prev_stage, walk.rank);
     if constexpr (S::kCoop) {  // the fourth warpgroup does the rest
-      stage_tile<T>(acc_top, acc_bottom, walk.real(pn), j, tile_row0, pn, warp, lane, args, sm);
+      stage_tile<T>(acc_top, acc_bottom, bias_pairs, walk.real(pn), j, tile_row0, warp, lane, args, sm);
       continue;
     }
     if (!walk.real(pn)) continue;

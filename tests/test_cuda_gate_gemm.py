@@ -66,6 +66,25 @@ def test_gate_gemm_writes_exact_twell(m, k, f, nnz, skew, dtype, bias, schedule)
 
 
 @requires_twell_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_gate_gemm_bias_off_4_byte_alignment(dtype, schedule):
+    # The epilogues load the bias two columns at a time where it is 4-byte aligned; a view one element
+    # into a larger tensor takes the one-value loads instead, with the same bits out.
+    problem = make_problem(300, 264, 1000, nnz_per_row=20.0, dtype=dtype, bias=True)
+    x, w, b = problem.x, problem.gate_weight, problem.gate_bias
+    shifted = torch.empty(b.numel() + 1, dtype=b.dtype, device=b.device)[1:]
+    shifted.copy_(b)
+    assert shifted.data_ptr() % 4 == 2
+    aligned = _run_gate(x, w, b, CAP, *SCHEDULES[schedule])
+    unaligned = _run_gate(x, w, shifted, CAP, *SCHEDULES[schedule])
+    for a, u in zip(aligned, unaligned):
+        assert torch.equal(a.view(torch.int16) if a.is_floating_point() else a,
+                           u.view(torch.int16) if u.is_floating_point() else u)
+    _assert_exact_twell(x, w, shifted, *unaligned)
+
+
+@requires_twell_kernels
 @pytest.mark.parametrize("m,k,f,nnz,skew", [
     (1, 2048, 5632, 24.0, False),    # decode at the 2B shape: one row, clusters of 8 CTAs
     (7, 264, 1000, 20.0, False),     # K of 264: 9 chunks of 32 over a cluster of 8 (2 per CTA; 3 CTAs
