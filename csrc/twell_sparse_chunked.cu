@@ -277,22 +277,32 @@ __device__ void sort_piece_by_bank(uint32_t* __restrict__ piece, int n, int lane
 // slots, or the dense backup of tiles past capacity), into entries[] at the row's offset (the prefix at
 // its position in RowOrder), one word each:
 // value bits << 16 | unit; then each piece's entries sorted by bank group (above).
+// The row is gathered and sorted in shared memory (a flattened row has at most kChunkMaxRowEntries
+// entries: row_work_kernel lists longer ones as heavy, with no work) and written out once, and the
+// row's prefix and first tile counts load together. Gathering into entries[] and sorting there, the
+// kernel took 112 us at M = 131072 and 24 active units, 160 at 80; this way 102 and 152 (H100,
+// 2026-11-25, examples/results/ab_flatten_smem_h100_2026-11-25.log).
+constexpr int kFlattenWarps = kWorkThreads / 32;
 template <typename T>
 __global__ void __launch_bounds__(kWorkThreads) flatten_entries_kernel(
     const uint32_t* __restrict__ packed, const int* __restrict__ counts, const T* __restrict__ dense,
     const int64_t* __restrict__ prefix, int64_t M, RowOrder order, int n_tiles, int cap, int tile_n, int F,
     uint32_t* __restrict__ entries) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kWorkThreads / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x & 31;
+  __shared__ uint32_t gathered[kFlattenWarps][kChunkMaxRowEntries];
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kFlattenWarps + warp;
   if (row >= M) return;
   const int64_t position = order.position_of(row);
-  const int64_t begin = work_entries(prefix[position]), end = prefix[position + 1];
-  if (work_entries(end) == begin) return;
-  uint32_t* dst = entries + begin;
+  const int* row_counts = counts + row * n_tiles;
+  const int64_t begin_word = prefix[position], end_word = prefix[position + 1];
+  const int first_count = lane < n_tiles ? row_counts[lane] : 0;  // issued before the prefix is needed
+  const int64_t begin = work_entries(begin_word), end = work_entries(end_word);
+  if (end == begin) return;
+  uint32_t* buf = gathered[warp];
   int carry = 0;
   for (int t0 = 0; t0 < n_tiles; t0 += 32) {
     const int t = t0 + lane;
-    const int c = t < n_tiles ? counts[row * n_tiles + t] : 0;
+    const int c = t0 == 0 ? first_count : (t < n_tiles ? row_counts[t] : 0);
     int incl = c;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -310,7 +320,7 @@ __global__ void __launch_bounds__(kWorkThreads) flatten_entries_kernel(
           if (j0 + j < c) words[j] = slots[j0 + j];
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-          if (j0 + j < c) dst[at + j0 + j] = (words[j] & 0xffff0000u) | static_cast<uint32_t>(t * tile_n + (words[j] & 0xffffu));
+          if (j0 + j < c) buf[at + j0 + j] = (words[j] & 0xffff0000u) | static_cast<uint32_t>(t * tile_n + (words[j] & 0xffffu));
       }
     }
     // Tiles past capacity: the warp enumerates each one's active units from the dense backup.
@@ -321,15 +331,18 @@ __global__ void __launch_bounds__(kWorkThreads) flatten_entries_kernel(
       const int tile = t0 + src, tile_at = __shfl_sync(0xffffffffu, at, src), tile_count = __shfl_sync(0xffffffffu, c, src);
       const int col0 = tile * tile_n;
       for_each_backup_entry(dense + row * F + col0, min(tile_n, F - col0), lane, [&](int k, int col, uint32_t bits) {
-        if (k < tile_count) dst[tile_at + k] = (bits << 16) | static_cast<uint32_t>(col0 + col);
+        if (k < tile_count) buf[tile_at + k] = (bits << 16) | static_cast<uint32_t>(col0 + col);
       });
     }
   }
-  __syncwarp();  // the row's entries are written (and visible to the warp)
-  const int len = static_cast<int>(work_entries(end) - begin);
-  const int parts = static_cast<int>(work_pieces(end) - work_pieces(prefix[position]));
+  __syncwarp();  // the row's entries are gathered (and visible to the warp)
+  const int len = static_cast<int>(end - begin);
+  const int parts = static_cast<int>(work_pieces(end_word) - work_pieces(begin_word));
   for (int part = 0; part < parts; ++part)
-    sort_piece_by_bank(dst + len * part / parts, len * (part + 1) / parts - len * part / parts, lane);
+    sort_piece_by_bank(buf + len * part / parts, len * (part + 1) / parts - len * part / parts, lane);
+  __syncwarp();
+  uint32_t* dst = entries + begin;
+  for (int i = lane; i < len; i += 32) dst[i] = buf[i];
 }
 
 // 3. The chunks; see the file comment. Shared memory: two slice buffers (F x 16 bytes each, then
