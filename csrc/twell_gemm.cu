@@ -429,12 +429,12 @@ __device__ __forceinline__ void store_rows(const float (&acc)[64], int row0, int
 }
 
 // This thread's bias for its tile's columns 8 q + 2 (lane % 4) + {0, 1}, as 16 pairs of 16-bit values
-// (lo in the low half; zero past N), loaded when the tile's mainloop starts and added in the staged
-// schedule's epilogue (stage_tile). Loaded in the epilogue itself, after the tile's last MMAs, the bias
-// cost the staged gate 4.0% at the 2B shape: the consumers waited out an L2 round trip per tile with
-// the tensor cores idle (H100, 2026-11-25, M = 131072: 4125 us, against 3966 without a bias and 4011
-// loaded early).
-template <typename T>
+// (lo in the low half; zero past N). The staged schedule loads them when the tile's mainloop starts and
+// adds them in stage_tile: loaded in the epilogue, after the tile's last MMAs, the bias cost the staged
+// gate 4.0% at the 2B shape, the consumers waiting out an L2 round trip per tile with the tensor cores
+// idle (H100, 2026-11-25, M = 131072: 4125 us, against 3966 without a bias and 4011 loaded early).
+// Ping-pong loads them in its epilogue (finish_chunk): held through its mainloop, they made its
+// consumers spill 8-40 bytes.
 __device__ __forceinline__ void load_bias_pairs(const EpilogueArgs& args, int tile, int lane, uint32_t (&pairs)[16]) {
   const int cols_left = args.N - tile * kBlockN, lq = lane & 3;
   const uint16_t* bias = static_cast<const uint16_t*>(args.bias) + tile * kBlockN;
@@ -457,15 +457,16 @@ template <typename T, Epilogue kMode>
 __device__ __forceinline__ void finish_chunk(float (&acc)[64], int row0, int tile, int lane, const EpilogueArgs& args,
                                              const GateHead (&heads)[2], int& nnz, int& overflowed) {
   const int cols_left = args.N - tile * kBlockN;
-  if (args.bias != nullptr) {  // each column's bias serves two accumulators
+  if (args.bias != nullptr) {  // each column's bias serves two accumulators (rows row0 and row0 + 8)
+    uint32_t bias_pairs[16];
+    load_bias_pairs(args, tile, lane, bias_pairs);
 #pragma unroll
-    for (int b = 0; b < 32; ++b) {
-      const int col = (b >> 1) * 8 + (lane & 3) * 2 + (b & 1);
-      const float bias =
-          col < cols_left ? Dtype16<T>::to_float(static_cast<const T*>(args.bias)[tile * kBlockN + col]) : 0.f;
-      const int i = 4 * (b >> 1) + (b & 1);
-      acc[i] += bias;
-      acc[i + 2] += bias;
+    for (int q = 0; q < 16; ++q) {
+      const float lo = Dtype16<T>::value(bias_pairs[q] & 0xffffu), hi = Dtype16<T>::value(bias_pairs[q] >> 16);
+      acc[4 * q] += lo;
+      acc[4 * q + 2] += lo;
+      acc[4 * q + 1] += hi;
+      acc[4 * q + 3] += hi;
     }
   }
   if constexpr (kMode == Epilogue::kTwellPack) {
@@ -939,10 +940,9 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
       if (j > 0) ptx::mbarrier_wait(&sm.turn[consumer], ((j - 1) / 2) & 1);
     }
     const int block = pm * S::kBlocksPerTile + (S::kCoop ? consumer : 0);  // this consumer's decision block
-    uint32_t bias_pairs[16];  // staged schedule (ping-pong loads its bias in finish_chunk: with these
-                              // registers held through the mainloop, its consumers spilled)
+    uint32_t bias_pairs[16];  // staged schedule (ping-pong loads its bias in finish_chunk)
     if constexpr (S::kCoop) {
-      if (args.bias != nullptr && walk.real(pn)) load_bias_pairs<T>(args, pn, lane, bias_pairs);
+      if (args.bias != nullptr && walk.real(pn)) load_bias_pairs(args, pn, lane, bias_pairs);
     }
     const int first_row = pm * kTileM + tile_row0;
     if constexpr (S::kCoop) {

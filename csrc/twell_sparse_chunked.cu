@@ -779,7 +779,7 @@ void run_chunked(const c10::optional<at::Tensor>& x, const at::Tensor& packed, c
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   at::Tensor prefix_tail = prefix.narrow(0, 1, M);
   at::cumsum_out(prefix_tail, work, 0);
-  const unsigned row_blocks = static_cast<unsigned>((M + kWorkThreads / 32 - 1) / (kWorkThreads / 32));
+  const unsigned row_blocks = static_cast<unsigned>((M + kFlattenWarps - 1) / kFlattenWarps);
   flatten_entries_kernel<T><<<row_blocks, kWorkThreads, 0, stream>>>(
       reinterpret_cast<const uint32_t*>(packed.data_ptr<int>()), counts.data_ptr<int>(),
       reinterpret_cast<const T*>(dense.data_ptr()), prefix.data_ptr<int64_t>(), M, order, n_tiles, cap,

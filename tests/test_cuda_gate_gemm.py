@@ -69,9 +69,8 @@ def test_gate_gemm_writes_exact_twell(m, k, f, nnz, skew, dtype, bias, schedule)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_gate_gemm_bias_off_4_byte_alignment(dtype, schedule):
-    # The staged schedule's consumers load the bias two columns at a time where it is 4-byte aligned; a
-    # view one element into a larger tensor takes their one-value loads instead, with the same bits out.
-    # (Ping-pong loads one value at a time either way; it runs here too.)
+    # Every schedule loads the bias two columns at a time where it is 4-byte aligned (load_bias_pairs); a
+    # view one element into a larger tensor takes the one-value loads instead, with the same bits out.
     problem = make_problem(300, 264, 1000, nnz_per_row=20.0, dtype=dtype, bias=True)
     x, w, b = problem.x, problem.gate_weight, problem.gate_bias
     shifted = torch.empty(b.numel() + 1, dtype=b.dtype, device=b.device)[1:]
