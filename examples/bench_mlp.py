@@ -68,13 +68,18 @@ def main() -> None:
                 t_dense_graph = cuda_graph_time_ms(lambda: dense_mlp(x, wg, wu, wd), reps) if graphed else None
                 t_twell_graph = (cuda_graph_time_ms(lambda: torch.ops.twell.gated_relu_mlp(x, wg, wu, wd), reps)
                                  if graphed else None)
+                # The path the timed calls took: a layer whose blocks mostly go dense is routed to cuBLAS
+                # after its first calls (config.route_by_density).
+                with twell_compile.record_sparsity() as rec:
+                    torch.ops.twell.gated_relu_mlp(x, wg, wu, wd)
+                (timed,) = rec.calls()
                 row = dict(m=m, kind=kind, target_nnz=nnz, mean_nnz=stats.mean_nnz_per_row,
                            max_nnz=stats.max_nnz_per_row, overflow_rows=stats.overflow_rows,
                            dense_blocks=f"{stats.dense_blocks}/{stats.blocks}", dense_ms=t_dense,
                            compiled_ms=t_compiled, gate_ms=t_gate, twell_ms=t_twell,
                            speedup_vs_dense=t_dense / t_twell, speedup_vs_compiled=t_compiled / t_twell,
                            twell_over_gate=t_twell / t_gate, err_twell=err_twell, err_dense=err_dense,
-                           dense_graph_ms=t_dense_graph, twell_graph_ms=t_twell_graph)
+                           dense_graph_ms=t_dense_graph, twell_graph_ms=t_twell_graph, path=timed.path)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 del problem, x, wg, wu, wd
@@ -86,7 +91,7 @@ def main() -> None:
     print(f"\nGPU: {torch.cuda.get_device_name()}  (K={k}, N={f}, {args.dtype}; ms are CUDA-event medians)")
     header = (f"{'M':>7} {'kind':<8} {'nnz':>6} {'max':>5} {'dense':>8} {'compiled':>8} {'gate':>8} {'twell':>8} "
               f"{'vs dense':>8} {'vs comp':>7} {'/gate':>6} {'err':>8} {'dense err':>9} {'dense blk':>9} "
-              f"{'graphs: dense':>13} {'twell':>7} {'ratio':>6}")
+              f"{'graphs: dense':>13} {'twell':>7} {'ratio':>6} {'path':>7}")
     print(header)
     for r in rows:
         print(f"{r['m']:>7} {r['kind']:<8} {r['mean_nnz']:>6.1f} {r['max_nnz']:>5} {r['dense_ms']:>8.3f} "
@@ -94,7 +99,8 @@ def main() -> None:
               f"{r['speedup_vs_compiled']:>6.2f}x {r['twell_over_gate']:>6.2f} {r['err_twell']:>8.1e} "
               f"{r['err_dense']:>9.1e} {r['dense_blocks']:>9} " + (
                   f"{r['dense_graph_ms']:>13.3f} {r['twell_graph_ms']:>7.3f} "
-                  f"{r['dense_graph_ms'] / r['twell_graph_ms']:>5.2f}x" if r['twell_graph_ms'] else f"{'-':>13} {'-':>7} {'-':>6}"))
+                  f"{r['dense_graph_ms'] / r['twell_graph_ms']:>5.2f}x" if r['twell_graph_ms'] else f"{'-':>13} {'-':>7} {'-':>6}")
+              + f" {r['path']:>7}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     from twell_compile.kernels import twell_mlp
 
+    twell_mlp.config.route_by_density = False  # profile the TwELL kernels even where a dense layer would leave them
     if args.dense_path:
         config = twell_mlp.config
         config.dense_block_density = config.decode_dense_block_density = config.chunked_dense_block_density = 0.0

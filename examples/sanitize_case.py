@@ -9,6 +9,7 @@ from twell_compile.testing import make_problem
 default_num_sms = twell_mlp._num_sms
 default_cublas_rows = twell_mlp.config.cublas_rows
 twell_mlp.config.cublas_rows = (1, 0)  # every case below on the TwELL kernels, whatever its size
+twell_mlp.config.route_by_density = False  # and whatever its density
 
 for m, (k, f, d), gated, density in [(7, (257, 1031, 131), True, float("inf")), (300, (264, 1000, 200), False, 0.01),
                                      (130, (2048, 5632, 2048), True, 0.0),

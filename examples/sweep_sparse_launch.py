@@ -12,7 +12,9 @@ sparse kernel (csrc/twell_sparse_chunked.cu) for calls of at least R rows (0: ne
 the dense MLP through cuBLAS for calls of A to B rows (``cublas/0``: never); ``gatetile/128`` or
 ``/256`` the gate GEMM's schedule (config.gate_gemm_tile_m); ``gemvcluster/C`` the decode GEMVs' CTAs per
 cluster (config.decode_gemv_cluster; 0: their own choice); ``densegemv/0`` runs the dense path of calls of at
-most 64 rows on the wgmma GEMMs instead of the split-K GEMVs (config.decode_dense_gemv); parts combine with ``+``.
+most 64 rows on the wgmma GEMMs instead of the split-K GEMVs (config.decode_dense_gemv); ``route/1`` routes
+the layer by its observed density (config.route_by_density, the op's default, off for every other choice here
+so that each times the path it names; timed once the route has settled); parts combine with ``+``.
 
     python examples/sweep_sparse_launch.py --m 128 256 512 1024 2048 4096 --nnz 24 39
 """
@@ -56,7 +58,7 @@ def use_choice(choice: str) -> None:
     A to B rows to cuBLAS's dense MLP (``cublas/0``: none, the TwELL path everywhere); ``gatetile/T``
     sets the gate GEMM's schedule (128 ping-pong, 256 cooperative where its tiles fill the GPU);
     ``gemvcluster/C`` the decode GEMVs' cluster size (0: chosen per launch); ``densegemv/0`` the dense path
-    of calls of at most 64 rows on the wgmma GEMMs. Parts
+    of calls of at most 64 rows on the wgmma GEMMs; ``route/1`` routing by observed density. Parts
     joined by ``+`` combine (``path/dense+ksplit/1``)."""
     twell_mlp._column_splits = default_column_splits
     twell_mlp._sparse_threads, twell_mlp._sparse_cluster = default_threads, default_cluster
@@ -70,6 +72,7 @@ def use_choice(choice: str) -> None:
     cfg.gate_gemm_tile_m = default_gate_tile_m
     cfg.decode_gemv_cluster = default_gemv_cluster
     cfg.decode_dense_gemv = default_dense_gemv
+    cfg.route_by_density = False  # every choice times the path it names, unless it says route/1
     for part in choice.split("+"):
         _apply(part)
     twell_mlp._PLANS.clear()
@@ -102,6 +105,8 @@ def _apply(part: str) -> None:
         cfg.decode_gemv_cluster = int(value)
     elif kind == "densegemv":
         cfg.decode_dense_gemv = value != "0"
+    elif kind == "route":
+        cfg.route_by_density = value != "0"
     elif kind == "columns":
         twell_mlp._sparse_threads = lambda m, threads=int(value): threads
         twell_mlp._sparse_cluster = lambda m, sms: 1
@@ -128,7 +133,7 @@ def main() -> None:
                              "ksplit/N (the wgmma GEMMs' K ranges per tile; 0 their own choice), chunked/R (the "
                              "chunked sparse kernel from R rows on; 0 never), cublas/A-B (calls of A-B rows "
                              "through cuBLAS; cublas/0 never), gatetile/128 or gatetile/256 (the gate GEMM's "
-                             "schedule); join with +")
+                             "schedule), route/1 (routing by observed density); join with +")
     args = parser.parse_args()
     rows = []
     for m in args.m:
@@ -144,7 +149,7 @@ def main() -> None:
             for choice in args.choices:
                 use_choice(choice)
                 out = torch.ops.twell.gated_relu_mlp(x, wg, wu, wd)
-                err = relative_error(out, reference)
+                err = relative_error(out, reference)  # reads back: a route's first report is in by the next call
                 assert err < 1e-2, f"{choice} at M={m}: relative difference {err:.2e} from the default launch"
                 times[choice] = cuda_graph_time_ms(lambda: torch.ops.twell.gated_relu_mlp(x, wg, wu, wd), args.reps)
             rows.append((m, nnz, default, t_dense, times))

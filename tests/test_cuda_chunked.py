@@ -23,7 +23,7 @@ from twell_compile.testing import _normal_quantile, make_problem
 pytestmark = pytest.mark.cuda
 
 # Every call past the entry-split sizes, the ones the plan would give to cuBLAS included.
-CHUNKED = dict(chunked_sparse_rows=129, cublas_rows=(1, 0))
+CHUNKED = dict(chunked_sparse_rows=129, cublas_rows=(1, 0), route_by_density=False)
 
 
 def _run_chunked(problem, gated, path="auto", **extra):

@@ -35,7 +35,7 @@ def kernel_config(**overrides):
 
 
 # The TwELL kernels at every row count: calls the plan would hand to cuBLAS (config.cublas_rows) too.
-KERNELS_ONLY = dict(cublas_rows=(1, 0))
+KERNELS_ONLY = dict(cublas_rows=(1, 0), route_by_density=False)
 # Dense-path decision forced one way or the other, and the kernels' own (device-side, per 128-row
 # block), all on the TwELL kernels; "default" is the op as shipped, cuBLAS route included.
 PATHS = {

@@ -63,10 +63,12 @@ def _sparse_model(name: str) -> torch.nn.Module:
 @pytest.fixture(autouse=True)
 def _twell_kernels_at_every_size(monkeypatch):
     """The models run 256 tokens, which the plan would give to cuBLAS (config.cublas_rows): these tests
-    are about the TwELL kernels running inside compiled models, so the route is switched off here."""
+    are about the TwELL kernels running inside compiled models, so the route is switched off here, and
+    so is the routing of dense layers by their observed density."""
     from twell_compile.kernels import twell_mlp
 
     monkeypatch.setattr(twell_mlp.config, "cublas_rows", (1, 0))
+    monkeypatch.setattr(twell_mlp.config, "route_by_density", False)
 
 
 def _twell_calls(recorder) -> list:

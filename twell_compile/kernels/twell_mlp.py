@@ -40,6 +40,7 @@ from torch import Tensor
 
 from .. import stats
 from . import build, triton_kernels
+from .density_route import ROUTER
 from .weight_cache import DOWN_WEIGHT_SLICED, DOWN_WEIGHT_T, UP_WEIGHT_SLICED
 
 DECISION_ROWS = triton_kernels.DECISION_ROWS
@@ -181,6 +182,15 @@ class KernelConfig:
     run on skewed rows). The choice is by row count only, on the host:
     no sync, and the same result whatever the activation. README, "The decode GEMVs, measured" and "The
     cooperative GEMMs' last wave split along K"."""
+    route_by_density: bool = os.environ.get("TWELL_ROUTE_BY_DENSITY", "1") != "0"
+    """Route a layer's calls below the chunked kernel's sizes to cuBLAS's dense MLP while its earlier calls
+    sent most 128-row blocks to the dense path (``density_route.py``: the reports are read back without
+    a host sync). With every block dense, the TwELL path took 0.65-0.95x the eager dense MLP at 513-8192
+    rows, the cuBLAS route 1.04-1.08x (H100, CUDA graphs, 2026-11-25). Off: the row count alone picks the
+    path, and a layer's results never change route."""
+    route_report_every: int = int(os.environ.get("TWELL_ROUTE_REPORT_EVERY", "8"))
+    """After a layer's first calls of a size class, one call in this many reports its dense-block share
+    for ``route_by_density`` (a reduction and a 8-byte copy to pinned memory, read back later)."""
     tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
     """Let the Triton kernels load through TMA descriptors where rows allow (off: pointer loads)."""
     poison_buffers: bool = False
@@ -445,6 +455,18 @@ class CallPlan:
     cap: int
     cuda: object | None  # the extension's MlpPlan for the one-call path; None where settings rule it out
     cublas: bool = False  # the dense MLP through cuBLAS instead of a TwELL path (config.cublas_rows)
+    route_class: str | None = None  # the size class for routing by density; None: the call is not routed
+
+
+def _route_class(m: int, launch: SparseLaunch, chunked: bool) -> str | None:
+    """The classes of calls whose dense-block thresholds differ (``_dense_thresholds``), for routing by
+    observed density (``density_route.py``); chunked calls are not routed: with every block dense their
+    path was faster than the eager dense MLP (1.13x at M = 131072, H100)."""
+    if chunked:
+        return None
+    if launch.entry_split:
+        return "decode"
+    return "small" if m <= SMALL_BATCH_ROWS else "large"
 
 
 def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
@@ -458,7 +480,7 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     launch = sparse_launch(m, d, sms, d % 8 == 0)  # aligned rows: 16-byte rows everywhere but maybe out's
     thresholds = _dense_thresholds(m, f, launch.entry_split)
     if not (config.wgmma_kernels and _cuda_tiles(plan)):
-        return CallPlan(thresholds, plan.cap, None)
+        return CallPlan(thresholds, plan.cap, None, route_class=_route_class(m, launch, False))
     chunked = _chunked(m, f, d, launch)
     kernel_thresholds = _dense_thresholds(m, f, launch.entry_split, chunked) if chunked else thresholds
     cuda = build.cuda_extension().MlpPlan()
@@ -474,7 +496,8 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     cuda.thr_full, cuda.thr_last, cuda.thr_heavy = kernel_thresholds
     cuda.poison, cuda.poison_word, cuda.poison_count = config.poison_buffers, _POISON_WORD, _POISON_COUNT
     # A chunked call returns the chunked kernel's decision per block (1: dense) instead of block_nnz.
-    return CallPlan(CHUNKED_DECISION_THRESHOLDS if chunked else thresholds, plan.cap, cuda)
+    return CallPlan(CHUNKED_DECISION_THRESHOLDS if chunked else thresholds, plan.cap, cuda,
+                    route_class=_route_class(m, launch, chunked))
 
 
 def _chunked(m: int, f: int, d: int, launch: SparseLaunch) -> bool:
@@ -521,6 +544,13 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     plan = call_plan(m, f, d, x2.device)
     if plan.cublas:
         return _cublas_mlp(x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias).view(*x.shape[:-1], d)
+    routed = report = False
+    if plan.route_class is not None and config.route_by_density:
+        routed, report = ROUTER.decide(act_weight, plan.route_class, config.route_report_every)
+    if routed:
+        out = _cublas_mlp(x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias,
+                          report=plan if report else None)
+        return out.view(*x.shape[:-1], d)
     result = None
     if plan.cuda is not None:
         # One host call for everything (the common case: aligned, contiguous operands); None if it
@@ -537,19 +567,40 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
             x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias)
 
     recorder = stats.active_recorder()
-    if recorder is not None:
-        recorder.add("gated_relu_mlp" if gated else "relu_mlp", counts.sum(1), f,
-                     overflow_rows=(counts > cap).any(1), block_dense=block_dense(block_nnz, thresholds),
-                     path="twell")
+    if recorder is not None or report:
+        dense_blocks = block_dense(block_nnz, thresholds)
+        if report:
+            ROUTER.report(act_weight, plan.route_class, dense_blocks.sum(), dense_blocks.numel())
+        if recorder is not None:
+            recorder.add("gated_relu_mlp" if gated else "relu_mlp", counts.sum(1), f,
+                         overflow_rows=(counts > cap).any(1), block_dense=dense_blocks, path="twell")
     return out.view(*x.shape[:-1], d)
 
 
+def _activation_dense_blocks(act: Tensor, thresholds: tuple[int, int, int], cap: int, tile_n: int = 128) -> Tensor:
+    """How many 128-row blocks of a dense activation (active: positive or NaN) the TwELL path would have
+    sent to the dense path: the test of ``block_dense`` (and of the kernels) on the active units of each
+    block and its (row, ``tile_n``-wide tile) pairs past ``cap``. A 0-d tensor, computed on the device."""
+    m, f = act.shape
+    n_tiles, n_blocks = -(-f // tile_n), -(-m // DECISION_ROWS)
+    active = ((act > 0) | act.isnan()).to(torch.int32)
+    per_tile = torch.nn.functional.pad(active, (0, n_tiles * tile_n - f)).view(m, n_tiles, tile_n).sum(-1)
+    per_row = torch.stack([per_tile.sum(1), (per_tile > cap).sum(1)])  # active units, row-tiles past cap
+    per_block = torch.nn.functional.pad(per_row, (0, n_blocks * DECISION_ROWS - m)).view(2, n_blocks, -1).sum(-1)
+    return block_dense(per_block.view(-1), thresholds).sum()
+
+
 def _cublas_mlp(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight: Tensor | None,
-                up_bias: Tensor | None, down_weight: Tensor, down_bias: Tensor | None) -> Tensor:
-    """The dense MLP through cuBLAS (``config.cublas_rows``). Under a sparsity recorder the call still
-    reports its activation's active units, with the path ``cublas``; every block counts as dense and no
-    row as overflowing."""
+                up_bias: Tensor | None, down_weight: Tensor, down_bias: Tensor | None,
+                report: CallPlan | None = None) -> Tensor:
+    """The dense MLP through cuBLAS (``config.cublas_rows``, or a layer routed there by its density).
+    Under a sparsity recorder the call still reports its activation's active units, with the path
+    ``cublas``; every block counts as dense and no row as overflowing. ``report``: the TwELL plan of a
+    routed call that reports, for ``density_route``, how many blocks that plan would have sent dense."""
     out, act = build.cuda_extension().cublas_mlp(x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias)
+    if report is not None:
+        ROUTER.report(act_weight, report.route_class, _activation_dense_blocks(act, report.thresholds, report.cap),
+                      -(-act.shape[0] // DECISION_ROWS))
     recorder = stats.active_recorder()
     if recorder is not None:
         m, f = act.shape

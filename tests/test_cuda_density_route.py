@@ -1,0 +1,85 @@
+"""Routing by observed density on the GPU (``pytest -m cuda``; the logic is in test_density_route.py):
+a layer whose calls keep sending most blocks to the dense path moves to the cuBLAS route within a few
+calls, with nothing but events between the host and the GPU; it comes back when its activation turns
+sparse; a routed layer captures in a CUDA graph; results match eager on either route.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import twell_compile
+from helpers import eager_gated, eager_relu, requires_twell_kernels
+from twell_compile.kernels import twell_mlp
+from twell_compile.testing import make_problem, relative_error
+
+pytestmark = pytest.mark.cuda
+
+
+def _call(problem, gated: bool):
+    if gated:
+        return torch.ops.twell.gated_relu_mlp(*problem.gated_args()), eager_gated(*problem.gated_args())
+    return torch.ops.twell.relu_mlp(*problem.non_gated_args()), eager_relu(*problem.non_gated_args())
+
+
+def _path_of_call(problem, gated: bool) -> str:
+    with twell_compile.record_sparsity() as rec:
+        out, expected = _call(problem, gated)
+    (call,) = rec.calls()  # reads the statistics back: the GPU is idle after this
+    if call.path == "cublas":
+        assert torch.equal(out, expected)  # the route computes what eager computes
+    else:
+        assert relative_error(out, expected) < 1e-2
+    return call.path
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("m", [16, 1024, 5000], ids=lambda m: f"m{m}")
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_a_dense_layer_moves_to_cublas_and_back_when_it_turns_sparse(m, gated):
+    assert twell_mlp.config.route_by_density and twell_mlp.call_plan(m, 5632, 2048, torch.device("cuda")).route_class
+    # 80 active units per row puts every block past the dense-path threshold at 129-4096 rows (0.75%)
+    # and above (1.1%); at decode sizes (5%) dense rows do.
+    problem = make_problem(m, 2048, 5632, nnz_per_row=80.0, gated=gated, bias=True,
+                           dense_rows=tuple(range(m)) if m <= 128 else ())
+    paths = [_path_of_call(problem, gated) for _ in range(4)]
+    assert paths[0] == "twell" and paths[-1] == "cublas", paths
+    # The same layer, now sparse (the density rides on x's first feature): it comes back to TwELL.
+    sparse = make_problem(m, 2048, 5632, nnz_per_row=24.0, gated=gated, bias=True)
+    problem.x = sparse.x
+    paths = [_path_of_call(problem, gated) for _ in range(6 * twell_mlp.config.route_report_every)]
+    assert paths[-1] == "twell", paths
+
+
+@requires_twell_kernels
+def test_a_sparse_layer_stays_on_twell():
+    problem = make_problem(1024, 2048, 5632, nnz_per_row=24.0, bias=True)
+    assert {_path_of_call(problem, True) for _ in range(20)} == {"twell"}
+
+
+@requires_twell_kernels
+def test_a_routed_layer_captures_in_a_cuda_graph():
+    problem = make_problem(2048, 2048, 5632, nnz_per_row=80.0)
+    for _ in range(4):
+        _path_of_call(problem, True)
+    assert twell_mlp.ROUTER.decide(problem.gate_weight, "small", 1)[0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.ops.twell.gated_relu_mlp(*problem.gated_args())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.twell.gated_relu_mlp(*problem.gated_args())
+    problem.x.copy_(make_problem(2048, 2048, 5632, nnz_per_row=80.0).x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager_gated(*problem.gated_args()))
+
+
+@requires_twell_kernels
+def test_switched_off_the_row_count_alone_decides(monkeypatch):
+    monkeypatch.setattr(twell_mlp.config, "route_by_density", False)
+    problem = make_problem(1024, 2048, 5632, nnz_per_row=80.0)
+    assert {_path_of_call(problem, True) for _ in range(6)} == {"twell"}

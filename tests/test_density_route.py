@@ -1,0 +1,167 @@
+"""Routing by observed density (``twell_compile/kernels/density_route.py``), CPU-only: how reports move a
+layer's route, which calls report, what a layer is, and how ``twell_mlp`` follows the route (with a
+stand-in extension). The CUDA side (reports read back behind events) is in test_cuda_density_route.py."""
+
+from __future__ import annotations
+
+import gc
+import types
+
+import pytest
+import torch
+
+from twell_compile.kernels import build, density_route, twell_mlp
+from twell_compile.kernels.density_route import DensityRouter
+
+
+def _report(router, weight, size_class, dense, blocks=8):
+    router.report(weight, size_class, torch.tensor(dense), blocks)
+
+
+def test_a_layer_goes_to_cublas_once_its_average_dense_share_reaches_one_half():
+    router, weight = DensityRouter(), torch.randn(8, 4)
+    assert router.decide(weight, "small", 8) == (False, True)  # nothing known: TwELL, and report
+    _report(router, weight, "small", 3)  # 3/8
+    assert router.share(weight, "small") == pytest.approx(3 / 8)
+    assert router.decide(weight, "small", 8)[0] is False
+    _report(router, weight, "small", 8)  # average (3/8 + 1) / 2 = 0.6875
+    assert router.share(weight, "small") == pytest.approx(0.6875)
+    assert router.decide(weight, "small", 8)[0] is True
+
+
+def test_a_routed_layer_comes_back_only_below_one_quarter():
+    router, weight = DensityRouter(), torch.randn(8, 4)
+    _report(router, weight, "large", 8)  # share 1: routed
+    assert router.decide(weight, "large", 8)[0] is True
+    _report(router, weight, "large", 0)  # 0.5
+    _report(router, weight, "large", 0)  # 0.25: not below one quarter yet
+    assert router.decide(weight, "large", 8)[0] is True
+    _report(router, weight, "large", 0)  # 0.125
+    assert router.decide(weight, "large", 8)[0] is False
+    assert router.share(weight, "large") == pytest.approx(0.125)
+
+
+def test_size_classes_and_layers_are_routed_apart():
+    router, dense_layer, sparse_layer = DensityRouter(), torch.randn(8, 4), torch.randn(8, 4)
+    _report(router, dense_layer, "small", 8)
+    assert router.decide(dense_layer, "small", 8)[0] is True
+    assert router.decide(dense_layer, "decode", 8)[0] is False  # another class: its own thresholds
+    assert router.decide(sparse_layer, "small", 8)[0] is False
+    assert router.share(sparse_layer, "small") is None
+
+
+def test_the_first_calls_then_one_in_n_report():
+    router, weight = DensityRouter(), torch.randn(8, 4)
+    reports = [router.decide(weight, "small", 4)[1] for _ in range(13)]
+    # calls 0 and 1 (FIRST_REPORTS), then calls 4, 8 and 12
+    assert [i for i, r in enumerate(reports) if r] == [0, 1, 4, 8, 12]
+    assert density_route.FIRST_REPORTS == 2
+
+
+def test_a_layer_is_its_weight_storage_and_a_freed_weight_forgets_its_route():
+    router = DensityRouter()
+    weight = torch.randn(64, 32)
+    _report(router, weight, "small", 8)
+    assert router.decide(weight, "small", 8)[0] is True
+    assert router.decide(weight.detach(), "small", 8)[0] is True  # another tensor, the same storage
+    assert router.share(torch.randn(64, 32), "small") is None
+    assert len(router) == 1
+    del weight
+    gc.collect()
+    router.decide(torch.randn(8, 4), "small", 8)  # a new layer: expired ones are dropped
+    assert len(router) == 1
+
+
+def test_reports_of_nothing_are_ignored():
+    router, weight = DensityRouter(), torch.randn(8, 4)
+    router.report(weight, "small", torch.tensor(0), 0)
+    assert router.share(weight, "small") is None
+
+
+class _RecordingExtension:
+    """Stand-in for the CUDA extension: the one-call path declines, the step-by-step path's kernels and
+    the cuBLAS route record their names (as in test_kernel_dispatch.py)."""
+
+    MlpPlan = types.SimpleNamespace
+
+    def __init__(self):
+        self.calls = []
+
+    def chunked_sparse_fits(self, *args):
+        return True
+
+    def mlp_forward(self, *args):
+        self.calls.append("mlp_forward")
+        return None
+
+    def cublas_mlp(self, x, w_act, *args):
+        self.calls.append("cublas_mlp")
+        return x.new_empty(x.shape[0], args[-2].shape[0]), x.new_zeros(x.shape[0], w_act.shape[0])
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.append(name)
+
+
+@pytest.fixture
+def recording_extension(monkeypatch):
+    ext = _RecordingExtension()
+    monkeypatch.setattr(twell_mlp, "_PLANS", {})
+    monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(build, "cuda_extension", lambda: ext)
+    monkeypatch.setattr(twell_mlp, "ROUTER", DensityRouter())
+    return ext
+
+
+def test_size_classes_follow_the_dense_block_thresholds(recording_extension):
+    device = torch.device("cuda", 0)
+    classes = {m: twell_mlp.call_plan(m, 5632, 2048, device).route_class for m in (1, 32, 300, 1024, 4096, 4097,
+                                                                                  32767, 32768, 131072)}
+    # 33-512 rows always go to cuBLAS, chunked calls (from 32768 rows) are never routed.
+    assert classes == {1: "decode", 32: "decode", 300: None, 1024: "small", 4096: "small", 4097: "large",
+                       32767: "large", 32768: None, 131072: None}
+
+
+def test_twell_mlp_follows_the_route_and_the_setting(recording_extension, monkeypatch):
+    ext = recording_extension
+    weight, down = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+    x = torch.randn(1024, 32, dtype=torch.bfloat16)
+
+    def call():
+        ext.calls.clear()
+        out = twell_mlp.twell_mlp(x, weight, None, weight, None, down, None)
+        assert out.shape == (1024, 32)
+        return ext.calls[0]
+
+    # The stand-in gate leaves every block sparse: the layer's reports keep it on the TwELL path.
+    assert [call() for _ in range(3)] == ["mlp_forward"] * 3
+    assert twell_mlp.ROUTER.share(weight, "small") == 0.0
+    # Reports of every block dense (as the TwELL path would make them) send its next calls to cuBLAS.
+    for _ in range(3):
+        twell_mlp.ROUTER.report(weight, "small", torch.tensor(8), 8)
+    assert call() == "cublas_mlp"
+    # Switched off, the row count alone decides.
+    monkeypatch.setattr(twell_mlp.config, "route_by_density", False)
+    assert call() == "mlp_forward"
+    monkeypatch.setattr(twell_mlp.config, "route_by_density", True)
+    # Routed calls report from their dense activation (all zeros here: no block dense), and the
+    # average falls until the layer comes back.
+    routes = [call() for _ in range(4 * twell_mlp.config.route_report_every)]
+    assert routes[0] == "cublas_mlp" and routes[-1] == "mlp_forward"
+
+
+def test_activation_dense_blocks_make_the_kernels_test():
+    act = torch.full((300, 200), -1.0)
+    act[:128, :5] = 1.0  # block 0: 640 active units, in tile 0
+    act[128:256, :2] = float("nan")  # block 1: 256 (NaN counts as active, as in the statistics)
+    act[256:, :3] = 2.0  # last block, 44 rows: 132
+    act[256:260, 130:140] = 3.0  # ... and 4 of its rows with 10 active units in tile 1: 172 in all
+    count = twell_mlp._activation_dense_blocks
+    assert int(count(act, (300, 150, 2**31 - 1), cap=8)) == 2  # blocks 0 and 2, by their active units
+    assert int(count(act, (200, 200, 2**31 - 1), cap=8)) == 2  # blocks 0 and 1
+    assert int(count(act, (1000, 1000, 3), cap=8)) == 1  # block 2, by its 4 row-tiles past capacity
+    assert int(count(act, (1000, 1000, 4), cap=8)) == 0
+    assert int(count(act, (1000, 1000, 0), cap=9)) == 1  # 10 > 9
+    # The same test as the statistics' block_dense, on the counts the gate kernels would write.
+    nnz = torch.tensor([640, 256, 172], dtype=torch.int32)
+    over = torch.tensor([0, 0, 4], dtype=torch.int32)
+    assert twell_mlp.block_dense(torch.cat([nnz, over]), (300, 150, 3)).tolist() == [True, False, True]

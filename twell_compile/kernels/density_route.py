@@ -1,0 +1,163 @@
+"""Routing by observed density: a layer whose activation keeps sending most of its 128-row blocks to
+the dense path runs its calls through cuBLAS's dense MLP instead.
+
+Why: the TwELL path decides per block, on the device, whether a block is sparse enough to pay; a block
+that is not runs our dense-path GEMMs. Below the chunked kernel's sizes those GEMMs (and the gate GEMM
+before them) are slower than cuBLAS's: with every block dense, calls of 513-8192 rows took 0.65-0.95x
+the eager dense MLP, and 32-row calls of skewed activations 0.73-0.86x (H100, 2026-11-25, README's
+"Where it stands"). The host cannot know a call's activation without a sync, but it can know what the
+same layer's earlier calls did. So each call of the TwELL path (and each call routed to cuBLAS, from
+its dense activation) may report its share of dense blocks; the report is copied to pinned host memory
+behind a CUDA event and read at a later call, once the event has completed (``Event.query``, which does
+not wait). Nothing waits on the GPU: a report not yet complete is read at a later call.
+
+Per layer and size class (the classes whose dense-block thresholds differ: decode-sized calls, up to
+4096 rows, larger), the shares are averaged (each new report weighs half). A class's calls go to cuBLAS
+once that average reaches ``ENTER_SHARE`` and come back to TwELL once it falls below ``LEAVE_SHARE``
+(hysteresis, so a layer near the boundary does not flip every call). Reports are sampled: the first
+``FIRST_REPORTS`` calls of a class, then one call in ``config.route_report_every``.
+
+A layer is its activated projection's weight (the gate's, or the up projection's where non-gated),
+keyed as the weight caches key it: by storage, checked alive with a weak reference, so a freed weight
+whose address is reused starts afresh; nothing is keyed by layer numbers. Under CUDA-graph capture no
+report is made or read (the captured call keeps the route decided before it).
+
+Both routes compute the same MLP: the TwELL path to within bf16/fp16 rounding of eager, the cuBLAS route
+bit for bit as eager. A layer's results can therefore change at the rounding level when its route
+changes; ``config.route_by_density = False`` (``TWELL_ROUTE_BY_DENSITY=0``) keeps every call on the
+path its row count picks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+ENTER_SHARE = 0.5
+"""Average dense-block share from which a class's calls go to cuBLAS: most of the call then runs our
+dense-path GEMMs, which lost to cuBLAS at every measured size below the chunked kernel's (0.65-0.95x
+with every block dense at 513-8192 rows), while calls with no dense block won (1.05-1.5x at 24-39
+active units per row from 768 rows)."""
+LEAVE_SHARE = 0.25
+"""Average share below which a routed class's calls go back to the TwELL path."""
+FIRST_REPORTS = 2
+"""Calls of a class that always report, so that a new layer's route settles within a few calls."""
+MAX_PENDING = 4
+"""Reports in flight per layer; past it a call makes none (the GPU is far behind the host)."""
+_MAX_LAYERS = 1024
+
+
+@dataclasses.dataclass
+class _ClassState:
+    calls: int = 0
+    share: float | None = None  # average dense-block share of the reports read so far
+    cublas: bool = False
+
+
+@dataclasses.dataclass
+class _Layer:
+    ref: StorageWeakRef
+    classes: dict[str, _ClassState] = dataclasses.field(default_factory=dict)
+    pending: list[tuple[str, torch.cuda.Event, torch.Tensor, int]] = dataclasses.field(default_factory=list)
+
+
+def _key(weight: torch.Tensor) -> tuple:
+    return (weight.data_ptr(), weight.device, weight.dtype, tuple(weight.shape), tuple(weight.stride()))
+
+
+class DensityRouter:
+    """Per layer and size class: the running dense-block share of reported calls, and the route it sets."""
+
+    def __init__(self, max_layers: int = _MAX_LAYERS):
+        self._layers: OrderedDict[tuple, _Layer] = OrderedDict()
+        self._max_layers = max_layers
+        self._lock = threading.Lock()
+
+    def decide(self, weight: torch.Tensor, size_class: str, report_every: int) -> tuple[bool, bool]:
+        """(whether this call goes to cuBLAS, whether it should report its dense-block share)."""
+        capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
+        with self._lock:
+            layer = self._layer(weight, create=not capturing)
+            if layer is None:
+                return False, False
+            state = layer.classes.setdefault(size_class, _ClassState())
+            if capturing:
+                return state.cublas, False
+            self._read_completed(layer)
+            calls, state.calls = state.calls, state.calls + 1
+            wants = calls < FIRST_REPORTS or calls % max(report_every, 1) == 0
+            return state.cublas, wants and len(layer.pending) < MAX_PENDING
+
+    def report(self, weight: torch.Tensor, size_class: str, dense_blocks: torch.Tensor, blocks: int) -> None:
+        """A call's count of dense blocks (a 0-d integer tensor on the call's device) out of ``blocks``.
+        On a CUDA device it is read back later, when it has been computed; elsewhere at once."""
+        if blocks <= 0:
+            return
+        if not dense_blocks.is_cuda:
+            with self._lock:
+                layer = self._layer(weight, create=True)
+                self._update(layer.classes.setdefault(size_class, _ClassState()), int(dense_blocks) / blocks)
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return
+        host = torch.empty((), dtype=torch.int64, pin_memory=True)
+        host.copy_(dense_blocks, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        with self._lock:
+            layer = self._layer(weight, create=True)
+            layer.pending.append((size_class, event, host, blocks))
+
+    def share(self, weight: torch.Tensor, size_class: str) -> float | None:
+        """The average dense-block share read so far for this layer and class (None: no report yet)."""
+        with self._lock:
+            layer = self._layer(weight, create=False)
+            if layer is None:
+                return None
+            self._read_completed(layer)
+            state = layer.classes.get(size_class)
+            return None if state is None else state.share
+
+    def clear(self) -> None:
+        with self._lock:
+            self._layers.clear()
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    # Callers hold the lock.
+    def _layer(self, weight: torch.Tensor, create: bool) -> _Layer | None:
+        key = _key(weight)
+        layer = self._layers.get(key)
+        if layer is not None and layer.ref.expired():
+            del self._layers[key]
+            layer = None
+        if layer is None and create:
+            layer = self._layers[key] = _Layer(StorageWeakRef(weight.untyped_storage()))
+            for stale in [k for k, v in self._layers.items() if v.ref.expired()]:
+                del self._layers[stale]
+            while len(self._layers) > self._max_layers:
+                self._layers.popitem(last=False)
+        if layer is not None:
+            self._layers.move_to_end(key)
+        return layer
+
+    def _read_completed(self, layer: _Layer) -> None:
+        while layer.pending and layer.pending[0][1].query():
+            size_class, _, host, blocks = layer.pending.pop(0)
+            self._update(layer.classes.setdefault(size_class, _ClassState()), int(host) / blocks)
+
+    @staticmethod
+    def _update(state: _ClassState, share: float) -> None:
+        state.share = share if state.share is None else 0.5 * (state.share + share)
+        if not state.cublas and state.share >= ENTER_SHARE:
+            state.cublas = True
+        elif state.cublas and state.share < LEAVE_SHARE:
+            state.cublas = False
+
+
+ROUTER = DensityRouter()
