@@ -72,6 +72,22 @@ def test_a_layer_is_its_weight_storage_and_a_freed_weight_forgets_its_route():
     assert len(router) == 1
 
 
+def test_reports_are_read_once_landed_oldest_first():
+    """A GPU report is a pinned int32 word that holds -1 until its copy lands; a call reads the landed
+    ones in order, from host memory alone (so it may also while a CUDA graph is captured). Simulated
+    here with CPU words landed by hand."""
+    router, weight = DensityRouter(), torch.randn(8, 4)
+    router.decide(weight, "small", 8)
+    layer = router._layer(weight, create=False)
+    first, second = torch.tensor(-1, dtype=torch.int32), torch.tensor(-1, dtype=torch.int32)
+    layer.pending += [("small", first, 8), ("small", second, 8)]
+    second.fill_(8)  # the later one landed first: it waits for the older one
+    assert router.decide(weight, "small", 8)[0] is False and len(layer.pending) == 2
+    first.fill_(8)
+    assert router.decide(weight, "small", 8)[0] is True and not layer.pending
+    assert router.share(weight, "small") == 1.0
+
+
 def test_reports_of_nothing_are_ignored():
     router, weight = DensityRouter(), torch.randn(8, 4)
     router.report(weight, "small", torch.tensor(0), 0)

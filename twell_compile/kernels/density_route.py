@@ -7,9 +7,10 @@ before them) are slower than cuBLAS's: with every block dense, calls of 513-8192
 the eager dense MLP, and 32-row calls of skewed activations 0.73-0.86x (H100, 2026-11-25, README's
 "Where it stands"). The host cannot know a call's activation without a sync, but it can know what the
 same layer's earlier calls did. So each call of the TwELL path (and each call routed to cuBLAS, from
-its dense activation) may report its share of dense blocks; the report is copied to pinned host memory
-behind a CUDA event and read at a later call, once the event has completed (``Event.query``, which does
-not wait). Nothing waits on the GPU: a report not yet complete is read at a later call.
+its dense activation) may report its count of dense blocks: a 4-byte copy, on the call's stream, into
+pinned host memory that holds -1 until the copy lands. A later call reads the reports that have landed,
+in order, from host memory alone: no CUDA call, so nothing waits on the GPU, and it works while a CUDA
+graph is being captured (where even ``cudaEventQuery`` is not allowed).
 
 Per layer and size class (the classes whose dense-block thresholds differ: decode-sized calls, up to
 4096 rows, larger), the shares are averaged (each new report weighs half). A class's calls go to cuBLAS
@@ -19,8 +20,11 @@ once that average reaches ``ENTER_SHARE`` and come back to TwELL once it falls b
 
 A layer is its activated projection's weight (the gate's, or the up projection's where non-gated),
 keyed as the weight caches key it: by storage, checked alive with a weak reference, so a freed weight
-whose address is reused starts afresh; nothing is keyed by layer numbers. Under CUDA-graph capture no
-report is made or read (the captured call keeps the route decided before it).
+whose address is reused starts afresh; nothing is keyed by layer numbers. A call captured in a CUDA
+graph makes no report and takes the route its layer has at capture, from the reports landed by then
+(torch.compile's ``mode="reduce-overhead"`` records a graph on its second call, after one warm-up
+call: a dense layer is captured on the cuBLAS route if the warm-up call's report landed before, e.g.
+after anything that waited for the GPU in between, and on the TwELL path otherwise).
 
 Both routes compute the same MLP: the TwELL path to within bf16/fp16 rounding of eager, the cuBLAS route
 bit for bit as eager. A layer's results can therefore change at the rounding level when its route
@@ -48,6 +52,7 @@ FIRST_REPORTS = 2
 """Calls of a class that always report, so that a new layer's route settles within a few calls."""
 MAX_PENDING = 4
 """Reports in flight per layer; past it a call makes none (the GPU is far behind the host)."""
+_NOT_LANDED = -1  # a report's host word until its copy lands
 _MAX_LAYERS = 1024
 
 
@@ -62,7 +67,7 @@ class _ClassState:
 class _Layer:
     ref: StorageWeakRef
     classes: dict[str, _ClassState] = dataclasses.field(default_factory=dict)
-    pending: list[tuple[str, torch.cuda.Event, torch.Tensor, int]] = dataclasses.field(default_factory=list)
+    pending: list[tuple[str, torch.Tensor, int]] = dataclasses.field(default_factory=list)  # class, word, blocks
 
 
 def _key(weight: torch.Tensor) -> tuple:
@@ -84,17 +89,18 @@ class DensityRouter:
             layer = self._layer(weight, create=not capturing)
             if layer is None:
                 return False, False
+            self._read_landed(layer)
             state = layer.classes.setdefault(size_class, _ClassState())
             if capturing:
                 return state.cublas, False
-            self._read_completed(layer)
             calls, state.calls = state.calls, state.calls + 1
             wants = calls < FIRST_REPORTS or calls % max(report_every, 1) == 0
             return state.cublas, wants and len(layer.pending) < MAX_PENDING
 
     def report(self, weight: torch.Tensor, size_class: str, dense_blocks: torch.Tensor, blocks: int) -> None:
         """A call's count of dense blocks (a 0-d integer tensor on the call's device) out of ``blocks``.
-        On a CUDA device it is read back later, when it has been computed; elsewhere at once."""
+        On a CUDA device it is copied on the current stream and read at a later call, once landed;
+        elsewhere it is read at once."""
         if blocks <= 0:
             return
         if not dense_blocks.is_cuda:
@@ -104,13 +110,11 @@ class DensityRouter:
             return
         if torch.cuda.is_current_stream_capturing():
             return
-        host = torch.empty((), dtype=torch.int64, pin_memory=True)
-        host.copy_(dense_blocks, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        word = torch.full((), _NOT_LANDED, dtype=torch.int32, pin_memory=True)
+        word.copy_(dense_blocks, non_blocking=True)  # 4 aligned bytes: they land whole
         with self._lock:
             layer = self._layer(weight, create=True)
-            layer.pending.append((size_class, event, host, blocks))
+            layer.pending.append((size_class, word, blocks))
 
     def share(self, weight: torch.Tensor, size_class: str) -> float | None:
         """The average dense-block share read so far for this layer and class (None: no report yet)."""
@@ -118,7 +122,7 @@ class DensityRouter:
             layer = self._layer(weight, create=False)
             if layer is None:
                 return None
-            self._read_completed(layer)
+            self._read_landed(layer)
             state = layer.classes.get(size_class)
             return None if state is None else state.share
 
@@ -146,10 +150,15 @@ class DensityRouter:
             self._layers.move_to_end(key)
         return layer
 
-    def _read_completed(self, layer: _Layer) -> None:
-        while layer.pending and layer.pending[0][1].query():
-            size_class, _, host, blocks = layer.pending.pop(0)
-            self._update(layer.classes.setdefault(size_class, _ClassState()), int(host) / blocks)
+    def _read_landed(self, layer: _Layer) -> None:
+        """Reads the layer's reports whose copies have landed, oldest first (host memory only)."""
+        while layer.pending:
+            size_class, word, blocks = layer.pending[0]
+            dense = int(word)
+            if dense == _NOT_LANDED:
+                return
+            layer.pending.pop(0)
+            self._update(layer.classes.setdefault(size_class, _ClassState()), dense / blocks)
 
     @staticmethod
     def _update(state: _ClassState, share: float) -> None:

@@ -190,7 +190,7 @@ class KernelConfig:
     path, and a layer's results never change route."""
     route_report_every: int = int(os.environ.get("TWELL_ROUTE_REPORT_EVERY", "8"))
     """After a layer's first calls of a size class, one call in this many reports its dense-block share
-    for ``route_by_density`` (a reduction and a 8-byte copy to pinned memory, read back later)."""
+    for ``route_by_density`` (a reduction and a 4-byte copy to pinned memory, read at a later call)."""
     tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
     """Let the Triton kernels load through TMA descriptors where rows allow (off: pointer loads)."""
     poison_buffers: bool = False
