@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from twell_compile.kernels import build, density_route, twell_mlp
-from twell_compile.kernels.density_route import DensityRouter
+from twell_compile.kernels.density_route import DensityRouter, _ReportWords
 
 
 def _report(router, weight, size_class, dense, blocks=8):
@@ -73,19 +73,34 @@ def test_a_layer_is_its_weight_storage_and_a_freed_weight_forgets_its_route():
 
 
 def test_reports_are_read_once_landed_oldest_first():
-    """A GPU report is a pinned int32 word that holds -1 until its copy lands; a call reads the landed
-    ones in order, from host memory alone (so it may also while a CUDA graph is captured). Simulated
-    here with CPU words landed by hand."""
+    """A GPU report is an int32 word of pinned memory that holds -1 until its copy lands; a call reads
+    the landed ones in order, from host memory alone (so it may also while a CUDA graph is captured),
+    and hands their words back. Simulated here with words of an unpinned tensor, landed by hand."""
     router, weight = DensityRouter(), torch.randn(8, 4)
+    router._words = words = _ReportWords(2, pinned=False)
     router.decide(weight, "small", 8)
-    layer = router._layer(weight, create=False)
-    first, second = torch.tensor(-1, dtype=torch.int32), torch.tensor(-1, dtype=torch.int32)
-    layer.pending += [("small", first, 8), ("small", second, 8)]
-    second.fill_(8)  # the later one landed first: it waits for the older one
-    assert router.decide(weight, "small", 8)[0] is False and len(layer.pending) == 2
-    first.fill_(8)
-    assert router.decide(weight, "small", 8)[0] is True and not layer.pending
+    first, second = words.take(), words.take()
+    assert words.take() is None  # every word in flight
+    router._layer(weight, create=False).pending += [("small", first, 8), ("small", second, 8)]
+    words.tensor[second] = 8  # the later one landed first: it waits for the older one
+    assert router.decide(weight, "small", 8)[0] is False
+    words.tensor[first] = 8
+    assert router.decide(weight, "small", 8)[0] is True
     assert router.share(weight, "small") == 1.0
+    assert words.take() is not None and words.take() is not None
+
+
+def test_words_of_a_dropped_layer_come_back_once_landed():
+    router, words = DensityRouter(), _ReportWords(1, pinned=False)
+    router._words = words
+    weight = torch.randn(8, 4)
+    router.decide(weight, "small", 8)
+    word = words.take()
+    router._layer(weight, create=False).pending.append(("small", word, 8))
+    router.clear()  # the layer goes while its report is in flight
+    assert words.take() is None
+    words.tensor[word] = 3  # landed
+    assert words.take() == word and words.landed(word) is None  # handed out again, reset to -1
 
 
 def test_reports_of_nothing_are_ignored():

@@ -8,9 +8,11 @@ the eager dense MLP, and 32-row calls of skewed activations 0.73-0.86x (H100, 20
 "Where it stands"). The host cannot know a call's activation without a sync, but it can know what the
 same layer's earlier calls did. So each call of the TwELL path (and each call routed to cuBLAS, from
 its dense activation) may report its count of dense blocks: a 4-byte copy, on the call's stream, into
-pinned host memory that holds -1 until the copy lands. A later call reads the reports that have landed,
-in order, from host memory alone: no CUDA call, so nothing waits on the GPU, and it works while a CUDA
-graph is being captured (where even ``cudaEventQuery`` is not allowed).
+a word of pinned host memory that holds -1 until the copy lands (the words are allocated once and
+reused: a pinned allocation per report doubled the host time of decode-sized calls on an H100). A later
+call reads the reports that have landed, in order, from host memory alone: no CUDA call, so nothing
+waits on the GPU, and it works while a CUDA graph is being captured (where even ``cudaEventQuery`` is
+not allowed).
 
 Per layer and size class (the classes whose dense-block thresholds differ: decode-sized calls, up to
 4096 rows, larger), the shares are averaged (each new report weighs half). A class's calls go to cuBLAS
@@ -34,6 +36,7 @@ path its row count picks.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import threading
 from collections import OrderedDict
@@ -53,7 +56,39 @@ FIRST_REPORTS = 2
 MAX_PENDING = 4
 """Reports in flight per layer; past it a call makes none (the GPU is far behind the host)."""
 _NOT_LANDED = -1  # a report's host word until its copy lands
+_REPORT_WORDS = 1024
 _MAX_LAYERS = 1024
+
+
+class _ReportWords:
+    """The int32 words reports land in: one pinned tensor, read and written by the host through ctypes
+    (an element access of the tensor costs microseconds), each word handed out to one report at a time."""
+
+    def __init__(self, size: int, pinned: bool = True):
+        self.tensor = torch.full((size,), _NOT_LANDED, dtype=torch.int32, pin_memory=pinned)
+        self._view = (ctypes.c_int32 * size).from_address(self.tensor.data_ptr())
+        self._free = list(range(size))
+        self._abandoned: list[int] = []  # words of dropped layers' reports, maybe still in flight
+
+    def take(self) -> int | None:
+        if not self._free:
+            self._free = [w for w in self._abandoned if self._view[w] != _NOT_LANDED]
+            self._abandoned = [w for w in self._abandoned if self._view[w] == _NOT_LANDED]
+        if not self._free:
+            return None
+        word = self._free.pop()
+        self._view[word] = _NOT_LANDED
+        return word
+
+    def landed(self, word: int) -> int | None:
+        value = self._view[word]
+        return None if value == _NOT_LANDED else value
+
+    def release(self, word: int) -> None:
+        self._free.append(word)
+
+    def abandon(self, words) -> None:
+        self._abandoned.extend(words)
 
 
 @dataclasses.dataclass
@@ -67,7 +102,7 @@ class _ClassState:
 class _Layer:
     ref: StorageWeakRef
     classes: dict[str, _ClassState] = dataclasses.field(default_factory=dict)
-    pending: list[tuple[str, torch.Tensor, int]] = dataclasses.field(default_factory=list)  # class, word, blocks
+    pending: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)  # class, word, blocks
 
 
 def _key(weight: torch.Tensor) -> tuple:
@@ -81,6 +116,7 @@ class DensityRouter:
         self._layers: OrderedDict[tuple, _Layer] = OrderedDict()
         self._max_layers = max_layers
         self._lock = threading.Lock()
+        self._words: _ReportWords | None = None  # allocated at the first report from a GPU
 
     def decide(self, weight: torch.Tensor, size_class: str, report_every: int) -> tuple[bool, bool]:
         """(whether this call goes to cuBLAS, whether it should report its dense-block share)."""
@@ -110,11 +146,15 @@ class DensityRouter:
             return
         if torch.cuda.is_current_stream_capturing():
             return
-        word = torch.full((), _NOT_LANDED, dtype=torch.int32, pin_memory=True)
-        word.copy_(dense_blocks, non_blocking=True)  # 4 aligned bytes: they land whole
         with self._lock:
-            layer = self._layer(weight, create=True)
-            layer.pending.append((size_class, word, blocks))
+            if self._words is None:
+                self._words = _ReportWords(_REPORT_WORDS)
+            word = self._words.take()
+            if word is None:  # every word in flight
+                return
+            self._layer(weight, create=True).pending.append((size_class, word, blocks))
+            # 4 aligned bytes, on the current stream after the count: they land whole.
+            self._words.tensor[word].copy_(dense_blocks, non_blocking=True)
 
     def share(self, weight: torch.Tensor, size_class: str) -> float | None:
         """The average dense-block share read so far for this layer and class (None: no report yet)."""
@@ -128,7 +168,8 @@ class DensityRouter:
 
     def clear(self) -> None:
         with self._lock:
-            self._layers.clear()
+            for key in list(self._layers):
+                self._drop(key)
 
     def __len__(self) -> int:
         return len(self._layers)
@@ -138,26 +179,32 @@ class DensityRouter:
         key = _key(weight)
         layer = self._layers.get(key)
         if layer is not None and layer.ref.expired():
-            del self._layers[key]
+            self._drop(key)
             layer = None
         if layer is None and create:
             layer = self._layers[key] = _Layer(StorageWeakRef(weight.untyped_storage()))
             for stale in [k for k, v in self._layers.items() if v.ref.expired()]:
-                del self._layers[stale]
+                self._drop(stale)
             while len(self._layers) > self._max_layers:
-                self._layers.popitem(last=False)
+                self._drop(next(iter(self._layers)))
         if layer is not None:
             self._layers.move_to_end(key)
         return layer
+
+    def _drop(self, key: tuple) -> None:
+        layer = self._layers.pop(key)
+        if layer.pending:
+            self._words.abandon(word for _, word, _ in layer.pending)
 
     def _read_landed(self, layer: _Layer) -> None:
         """Reads the layer's reports whose copies have landed, oldest first (host memory only)."""
         while layer.pending:
             size_class, word, blocks = layer.pending[0]
-            dense = int(word)
-            if dense == _NOT_LANDED:
+            dense = self._words.landed(word)
+            if dense is None:
                 return
             layer.pending.pop(0)
+            self._words.release(word)
             self._update(layer.classes.setdefault(size_class, _ClassState()), dense / blocks)
 
     @staticmethod

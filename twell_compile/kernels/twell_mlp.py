@@ -188,7 +188,7 @@ class KernelConfig:
     a host sync). With every block dense, the TwELL path took 0.65-0.95x the eager dense MLP at 513-8192
     rows, the cuBLAS route 1.04-1.08x (H100, CUDA graphs, 2026-11-25). Off: the row count alone picks the
     path, and a layer's results never change route."""
-    route_report_every: int = int(os.environ.get("TWELL_ROUTE_REPORT_EVERY", "8"))
+    route_report_every: int = int(os.environ.get("TWELL_ROUTE_REPORT_EVERY", "32"))
     """After a layer's first calls of a size class, one call in this many reports its dense-block share
     for ``route_by_density`` (a reduction and a 4-byte copy to pinned memory, read at a later call)."""
     tma: bool = os.environ.get("TWELL_NO_TMA", "") == ""
@@ -342,9 +342,10 @@ def block_dense(block_stats: Tensor, thresholds: tuple[int, int, int]) -> Tensor
     """Which blocks took the dense path (for statistics; the kernels make the same test themselves)."""
     nnz, overflow_tiles = block_stats.view(2, -1)
     thr_full, thr_last, thr_heavy = thresholds
-    limits = torch.full_like(nnz, thr_full)
-    limits[-1] = thr_last
-    return (nnz > limits) | (overflow_tiles > thr_heavy)
+    dense = (nnz > thr_full) | (overflow_tiles > thr_heavy)
+    if thr_last != thr_full:  # a partial last block
+        dense[-1:] = (nnz[-1:] > thr_last) | (overflow_tiles[-1:] > thr_heavy)
+    return dense
 
 
 # Poison for tests (config.poison_buffers): values that turn any read of an element a kernel should
@@ -570,7 +571,7 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     if recorder is not None or report:
         dense_blocks = block_dense(block_nnz, thresholds)
         if report:
-            ROUTER.report(act_weight, plan.route_class, dense_blocks.sum(), dense_blocks.numel())
+            ROUTER.report(act_weight, plan.route_class, dense_blocks.sum(dtype=torch.int32), dense_blocks.numel())
         if recorder is not None:
             recorder.add("gated_relu_mlp" if gated else "relu_mlp", counts.sum(1), f,
                          overflow_rows=(counts > cap).any(1), block_dense=dense_blocks, path="twell")
@@ -587,7 +588,7 @@ def _activation_dense_blocks(act: Tensor, thresholds: tuple[int, int, int], cap:
     per_tile = torch.nn.functional.pad(active, (0, n_tiles * tile_n - f)).view(m, n_tiles, tile_n).sum(-1)
     per_row = torch.stack([per_tile.sum(1), (per_tile > cap).sum(1)])  # active units, row-tiles past cap
     per_block = torch.nn.functional.pad(per_row, (0, n_blocks * DECISION_ROWS - m)).view(2, n_blocks, -1).sum(-1)
-    return block_dense(per_block.view(-1), thresholds).sum()
+    return block_dense(per_block.view(-1), thresholds).sum(dtype=torch.int32)
 
 
 def _cublas_mlp(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight: Tensor | None,
