@@ -185,9 +185,10 @@ class KernelConfig:
     route_by_density: bool = os.environ.get("TWELL_ROUTE_BY_DENSITY", "1") != "0"
     """Route a layer's calls below the chunked kernel's sizes to cuBLAS's dense MLP while its earlier calls
     sent most 128-row blocks to the dense path (``density_route.py``: the reports are read back without
-    a host sync). With every block dense, the TwELL path took 0.65-0.95x the eager dense MLP at 513-8192
-    rows, the cuBLAS route 1.04-1.08x (H100, CUDA graphs, 2026-11-25). Off: the row count alone picks the
-    path, and a layer's results never change route."""
+    a host sync). With every block dense, the TwELL path took 0.76-0.89x the eager dense MLP at 768-2048
+    rows and the routed calls 1.06-1.07x; sparse calls stayed on TwELL (H100, CUDA graphs, 2026-11-27,
+    examples/results/sweep_density_route_h100_2026-11-27.log). Off: the row count alone picks the path,
+    and a layer's results never change route."""
     route_report_every: int = int(os.environ.get("TWELL_ROUTE_REPORT_EVERY", "32"))
     """After a layer's first calls of a size class, one call in this many reports its dense-block share
     for ``route_by_density`` (a reduction and a 4-byte copy to pinned memory, read at a later call)."""
