@@ -90,6 +90,25 @@ def test_reports_are_read_once_landed_oldest_first():
     assert words.take() is not None and words.take() is not None
 
 
+def test_a_capture_waits_for_the_reports_in_flight():
+    """A captured call takes its layer's route for every replay, so it first waits (host memory only,
+    at most CAPTURE_WAIT_S) for the reports in flight; here one lands from another thread after 50 ms."""
+    import threading
+
+    router, weight = DensityRouter(), torch.randn(8, 4)
+    router._words = words = _ReportWords(1, pinned=False)
+    router.decide(weight, "small", 8)
+    layer = router._layer(weight, create=False)
+    layer.pending.append(("small", words.take(), 8))
+    router._read_landed(layer)  # without waiting: still in flight
+    assert layer.pending
+    lander = threading.Timer(0.05, lambda: words.tensor.fill_(8))
+    lander.start()
+    router._read_landed(layer, wait_s=density_route.CAPTURE_WAIT_S)
+    lander.join()
+    assert not layer.pending and router.share(weight, "small") == 1.0
+
+
 def test_words_of_a_dropped_layer_come_back_once_landed():
     router, words = DensityRouter(), _ReportWords(1, pinned=False)
     router._words = words

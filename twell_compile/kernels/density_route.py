@@ -23,10 +23,10 @@ once that average reaches ``ENTER_SHARE`` and come back to TwELL once it falls b
 A layer is its activated projection's weight (the gate's, or the up projection's where non-gated),
 keyed as the weight caches key it: by storage, checked alive with a weak reference, so a freed weight
 whose address is reused starts afresh; nothing is keyed by layer numbers. A call captured in a CUDA
-graph makes no report and takes the route its layer has at capture, from the reports landed by then
-(torch.compile's ``mode="reduce-overhead"`` records a graph on its second call, after one warm-up
-call: a dense layer is captured on the cuBLAS route if the warm-up call's report landed before, e.g.
-after anything that waited for the GPU in between, and on the TwELL path otherwise).
+graph makes no report and takes the route its layer's reports give once all of them have landed: the
+capture waits for them (host memory only, at most ``CAPTURE_WAIT_S``), since the graph keeps that route
+for every replay. torch.compile's ``mode="reduce-overhead"`` records its graph on its second call,
+right after one warm-up call, whose reports are the ones waited for; capture is not the hot path.
 
 Both routes compute the same MLP: the TwELL path to within bf16/fp16 rounding of eager, the cuBLAS route
 bit for bit as eager. A layer's results can therefore change at the rounding level when its route
@@ -39,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import threading
+import time
 from collections import OrderedDict
 
 import torch
@@ -55,6 +56,9 @@ FIRST_REPORTS = 2
 """Calls of a class that always report, so that a new layer's route settles within a few calls."""
 MAX_PENDING = 4
 """Reports in flight per layer; past it a call makes none (the GPU is far behind the host)."""
+CAPTURE_WAIT_S = 2.0
+"""Longest a captured call waits for its layer's reports to land (they wait only for work the GPU was
+given before the capture began); past it, the route known by then is captured."""
 _NOT_LANDED = -1  # a report's host word until its copy lands
 _REPORT_WORDS = 1024
 _MAX_LAYERS = 1024
@@ -125,7 +129,7 @@ class DensityRouter:
             layer = self._layer(weight, create=not capturing)
             if layer is None:
                 return False, False
-            self._read_landed(layer)
+            self._read_landed(layer, wait_s=CAPTURE_WAIT_S if capturing else 0.0)
             state = layer.classes.setdefault(size_class, _ClassState())
             if capturing:
                 return state.cublas, False
@@ -196,13 +200,18 @@ class DensityRouter:
         if layer.pending:
             self._words.abandon(word for _, word, _ in layer.pending)
 
-    def _read_landed(self, layer: _Layer) -> None:
-        """Reads the layer's reports whose copies have landed, oldest first (host memory only)."""
+    def _read_landed(self, layer: _Layer, wait_s: float = 0.0) -> None:
+        """Reads the layer's reports whose copies have landed, oldest first (host memory only); with
+        ``wait_s``, waits up to that long for all of them."""
+        deadline = time.monotonic() + wait_s
         while layer.pending:
             size_class, word, blocks = layer.pending[0]
             dense = self._words.landed(word)
             if dense is None:
-                return
+                if time.monotonic() >= deadline:
+                    return
+                time.sleep(50e-6)
+                continue
             layer.pending.pop(0)
             self._words.release(word)
             self._update(layer.classes.setdefault(size_class, _ClassState()), dense / blocks)
