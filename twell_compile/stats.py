@@ -7,7 +7,8 @@
 While a recorder is active, every twell op call appends device tensors (active units per row, rows
 that overflowed a tile's capacity, 128-row blocks that took the dense path) and which path ran it
 (``twell``: the TwELL kernels; ``cublas``: the dense MLP through cuBLAS, which calls of some sizes take
-whatever their activation; ``reference``: the plain-PyTorch path of CPUs, float32 and GPUs without
+whatever their activation, and layers whose earlier calls were mostly dense, kernels/density_route.py;
+``reference``: the plain-PyTorch path of CPUs, float32 and GPUs without
 the kernels). The tensors are read back only when the summary is asked for. Calls are numbered in
 execution order, which for a compiled model is layer order. Kernels replayed from a CUDA graph run no
 Python, so nothing is recorded for them: record with ``mode="default"``.
