@@ -45,6 +45,8 @@ from collections import OrderedDict
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .weight_cache import weight_key
+
 ENTER_SHARE = 0.5
 """Average dense-block share from which a class's calls go to cuBLAS: most of the call then runs our
 dense-path GEMMs, which lost to cuBLAS at every measured size below the chunked kernel's (0.65-0.95x
@@ -107,10 +109,6 @@ class _Layer:
     ref: StorageWeakRef
     classes: dict[str, _ClassState] = dataclasses.field(default_factory=dict)
     pending: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)  # class, word, blocks
-
-
-def _key(weight: torch.Tensor) -> tuple:
-    return (weight.data_ptr(), weight.device, weight.dtype, tuple(weight.shape), tuple(weight.stride()))
 
 
 class DensityRouter:
@@ -180,7 +178,7 @@ class DensityRouter:
 
     # Callers hold the lock.
     def _layer(self, weight: torch.Tensor, create: bool) -> _Layer | None:
-        key = _key(weight)
+        key = weight_key(weight)
         layer = self._layers.get(key)
         if layer is not None and layer.ref.expired():
             self._drop(key)

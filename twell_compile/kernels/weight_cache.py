@@ -42,6 +42,11 @@ def _empty_outside_graph_pools(shape: tuple[int, ...], like: torch.Tensor) -> to
     return result[0]
 
 
+def weight_key(weight: torch.Tensor) -> tuple:
+    """What identifies a weight to the caches (and to density_route.py) while its storage is alive."""
+    return (weight.data_ptr(), weight.device, weight.dtype, tuple(weight.shape), tuple(weight.stride()))
+
+
 def _transpose(weight: torch.Tensor) -> torch.Tensor:
     return weight.t()
 
@@ -73,7 +78,7 @@ class DerivedWeightCache:
         version = _version(weight)
         if version is None:
             return self._layout(weight).contiguous()
-        key = (weight.data_ptr(), weight.device, weight.dtype, tuple(weight.shape), tuple(weight.stride()))
+        key = weight_key(weight)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
