@@ -58,21 +58,69 @@ def test_a_sparse_layer_stays_on_twell():
     assert {_path_of_call(problem, True) for _ in range(20)} == {"twell"}
 
 
+@pytest.fixture
+def cublas_calls(monkeypatch):
+    """Counts the op's calls of the cuBLAS route (Python runs while a graph is captured, not when it is
+    replayed). Outputs cannot tell the routes apart here: with every block dense, the TwELL path's GEMMs
+    can give eager's bits too."""
+    calls = []
+    route = twell_mlp._cublas_mlp
+
+    def counted(*args, **kwargs):
+        calls.append(torch.cuda.is_current_stream_capturing())
+        return route(*args, **kwargs)
+
+    monkeypatch.setattr(twell_mlp, "_cublas_mlp", counted)
+    return calls
+
+
 @requires_twell_kernels
-def test_a_dense_layer_is_captured_on_cublas_right_after_one_warm_up_call():
+def test_a_dense_layer_is_captured_on_cublas_right_after_one_warm_up_call(cublas_calls):
     """As torch.compile's mode="reduce-overhead" runs it: one eager (warm-up) call, then the call captured
     in a graph at once, while the GPU may still be running the warm-up. The capture waits for the
-    warm-up's report (host memory only) and captures the cuBLAS route; its replay computes what eager
-    computes, bit for bit, which only the cuBLAS route does."""
+    warm-up's report (host memory only) and captures the cuBLAS route; the replay matches eager."""
     problem = make_problem(2048, 2048, 5632, nnz_per_row=80.0)
     torch.ops.twell.gated_relu_mlp(*problem.gated_args())  # warm-up: TwELL, reports its dense blocks
+    assert cublas_calls == []
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = torch.ops.twell.gated_relu_mlp(*problem.gated_args())
+    assert cublas_calls == [True]
     problem.x.copy_(make_problem(2048, 2048, 5632, nnz_per_row=80.0).x)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager_gated(*problem.gated_args()))
+
+
+class _GatedMLP(torch.nn.Module):
+    def __init__(self, problem):
+        super().__init__()
+        weights = (problem.gate_weight, problem.up_weight, problem.down_weight)
+        self.gate_proj, self.up_proj, self.down_proj = (
+            torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="cuda", dtype=w.dtype) for w in weights)
+        with torch.no_grad():
+            for linear, w in zip((self.gate_proj, self.up_proj, self.down_proj), weights):
+                linear.weight.copy_(w)
+
+    def forward(self, x):
+        return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@requires_twell_kernels
+def test_reduce_overhead_records_a_dense_layer_on_cublas(cublas_calls):
+    """torch.compile(mode="reduce-overhead"): the first call warms up (the TwELL path, which reports), the
+    second records the graph (the cuBLAS route, after waiting for that report), the third replays it."""
+    problem = make_problem(2048, 2048, 5632, nnz_per_row=80.0)
+    model = _GatedMLP(problem)
+    compiled = torch.compile(model, backend="twell", mode="reduce-overhead")
+    with torch.no_grad():
+        outs = [compiled(problem.x).clone() for _ in range(3)]
+        expected = model(problem.x)
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+    assert sum(r.rewritten_count for r in twell_compile.last_reports()) == 1
+    assert cublas_calls == [True]  # the recording, captured; no Python runs on replay
+    for out in outs:
+        assert relative_error(out, expected) < 1e-2
 
 
 @requires_twell_kernels
