@@ -1,6 +1,7 @@
 """Routing by observed density (``twell_compile/kernels/density_route.py``), CPU-only: how reports move a
 layer's route, which calls report, what a layer is, and how ``twell_mlp`` follows the route (with a
-stand-in extension). The CUDA side (reports read back behind events) is in test_cuda_density_route.py."""
+stand-in extension). The CUDA side (reports landing in pinned memory, CUDA graphs) is in
+test_cuda_density_route.py."""
 
 from __future__ import annotations
 

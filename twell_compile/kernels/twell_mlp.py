@@ -315,6 +315,17 @@ def _tma_ok(*tensors: Tensor) -> bool:
 SMALL_BATCH_ROWS = 4096  # the largest call config.small_batch_density_factor applies to
 
 
+def threshold_class(m: int, entry_split: bool, chunked: bool = False) -> str:
+    """Which dense-block density a call's thresholds use (``_dense_thresholds``): ``chunked``, ``decode``
+    (the entry split), ``small`` (at most ``SMALL_BATCH_ROWS`` rows) or ``large``. Routing by observed
+    density keeps a layer's record per class, since the same activation crosses different thresholds."""
+    if chunked:
+        return "chunked"
+    if entry_split:
+        return "decode"
+    return "small" if m <= SMALL_BATCH_ROWS else "large"
+
+
 def _dense_thresholds(m: int, f: int, entry_split: bool, chunked: bool = False) -> tuple[int, int, int]:
     """Largest active count a full 128-row block, and the last (maybe partial) block, may have and
     still take the sparse path, and the most row-tiles past capacity a block may have (chunked: heavy
@@ -322,14 +333,12 @@ def _dense_thresholds(m: int, f: int, entry_split: bool, chunked: bool = False) 
     sparse kernel splits each row's units over a cluster (calls of at most 128 rows), which moves the
     crossover; so do a call of at most ``SMALL_BATCH_ROWS`` rows (``config.small_batch_density_factor``)
     and one of the chunked kernel (``config.chunked_dense_block_density``)."""
-    if chunked:
-        density = config.chunked_dense_block_density
-    elif entry_split:
-        density = config.decode_dense_block_density
-    elif m <= SMALL_BATCH_ROWS:
-        density = config.dense_block_density * config.small_batch_density_factor
-    else:
-        density = config.dense_block_density
+    density = {
+        "chunked": config.chunked_dense_block_density,
+        "decode": config.decode_dense_block_density,
+        "small": config.dense_block_density * config.small_batch_density_factor,
+        "large": config.dense_block_density,
+    }[threshold_class(m, entry_split, chunked)]
 
     def threshold(rows: int) -> int:
         limit = rows * f * density
@@ -461,14 +470,11 @@ class CallPlan:
 
 
 def _route_class(m: int, launch: SparseLaunch, chunked: bool) -> str | None:
-    """The classes of calls whose dense-block thresholds differ (``_dense_thresholds``), for routing by
-    observed density (``density_route.py``); chunked calls are not routed: with every block dense their
-    path was faster than the eager dense MLP (1.13x at M = 131072, H100)."""
-    if chunked:
-        return None
-    if launch.entry_split:
-        return "decode"
-    return "small" if m <= SMALL_BATCH_ROWS else "large"
+    """The size class for routing by observed density (``density_route.py``): the call's threshold
+    class. Chunked calls are not routed: with every block dense their path was faster than the eager
+    dense MLP (1.13x at M = 131072, H100)."""
+    size_class = threshold_class(m, launch.entry_split, chunked)
+    return None if size_class == "chunked" else size_class
 
 
 def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
