@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=5632)
     parser.add_argument("--skew", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--bias", action="store_true", help="biases on all three projections (as bench_model.py's)")
     parser.add_argument("--non-gated", action="store_true")
     parser.add_argument("--dense-path", action="store_true", help="every block forced onto the dense path")
@@ -48,7 +49,7 @@ def main() -> None:
     if args.chunked_rows is not None:
         twell_mlp.config.chunked_sparse_rows = args.chunked_rows
     p = make_problem(args.m, args.hidden, args.intermediate, nnz_per_row=args.nnz, skew=args.skew,
-                     gated=not args.non_gated, bias=args.bias)
+                     gated=not args.non_gated, bias=args.bias, dtype=getattr(torch, args.dtype))
 
     scratch = torch.empty(1 << 28, dtype=torch.uint8, device="cuda") if args.flush_l2 else None
     heat = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) if args.heat else None
@@ -74,7 +75,7 @@ def main() -> None:
         for _ in range(5):
             call()
         torch.cuda.synchronize()
-    print(f"GPU: {torch.cuda.get_device_name()}  M={args.m} nnz={args.nnz} skew={args.skew} "
+    print(f"GPU: {torch.cuda.get_device_name()}  M={args.m} nnz={args.nnz} skew={args.skew} dtype={args.dtype} "
           f"dense_path={args.dense_path} k_splits={args.k_splits} chunked_rows={args.chunked_rows} "
           f"flush_l2={args.flush_l2} heat={args.heat} bias={args.bias}  (5 calls)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
