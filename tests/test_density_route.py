@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 
+from twell_compile import stats
 from twell_compile.kernels import build, density_route, twell_mlp
 from twell_compile.kernels.density_route import DensityRouter, _ReportWords
 
@@ -206,7 +207,9 @@ def test_activation_dense_blocks_make_the_kernels_test():
     act[128:256, :2] = float("nan")  # block 1: 256 (NaN counts as active, as in the statistics)
     act[256:, :3] = 2.0  # last block, 44 rows: 132
     act[256:260, 130:140] = 3.0  # ... and 4 of its rows with 10 active units in tile 1: 172 in all
-    count = twell_mlp._activation_dense_blocks
+    def count(act, thresholds, cap):
+        return twell_mlp._activation_dense_blocks(stats.active_units(act), thresholds, cap)
+
     assert int(count(act, (300, 150, 2**31 - 1), cap=8)) == 2  # blocks 0 and 2, by their active units
     assert int(count(act, (200, 200, 2**31 - 1), cap=8)) == 2  # blocks 0 and 1
     assert int(count(act, (1000, 1000, 3), cap=8)) == 1  # block 2, by its 4 row-tiles past capacity

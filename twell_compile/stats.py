@@ -25,6 +25,12 @@ _ACTIVE: list["SparsityRecorder"] = []
 PATHS = ("twell", "cublas", "reference")
 
 
+def active_units(pre_activation: torch.Tensor) -> torch.Tensor:
+    """Which units a ReLU keeps active: positive, or NaN (which eager's relu propagates), as the kernels'
+    is_active (csrc/dtype16.cuh) counts them."""
+    return (pre_activation > 0) | pre_activation.isnan()
+
+
 @dataclasses.dataclass
 class CallStats:
     op: str

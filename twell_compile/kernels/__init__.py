@@ -27,7 +27,7 @@ def _record_reference_stats(op: str, x: Tensor, weight: Tensor, bias: Tensor | N
     recorder = stats.active_recorder()
     if recorder is not None:
         pre_activation = torch.nn.functional.linear(x, weight, bias)
-        active = (pre_activation > 0) | pre_activation.isnan()
+        active = stats.active_units(pre_activation)
         recorder.add(op, active.reshape(-1, active.shape[-1]).sum(1), active.shape[-1], path="reference")
 
 

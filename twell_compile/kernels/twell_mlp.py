@@ -585,13 +585,14 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     return out.view(*x.shape[:-1], d)
 
 
-def _activation_dense_blocks(act: Tensor, thresholds: tuple[int, int, int], cap: int, tile_n: int = 128) -> Tensor:
-    """How many 128-row blocks of a dense activation (active: positive or NaN) the TwELL path would have
-    sent to the dense path: the test of ``block_dense`` (and of the kernels) on the active units of each
-    block and its (row, ``tile_n``-wide tile) pairs past ``cap``. A 0-d tensor, computed on the device."""
-    m, f = act.shape
+def _activation_dense_blocks(active: Tensor, thresholds: tuple[int, int, int], cap: int, tile_n: int = 128) -> Tensor:
+    """How many 128-row blocks of a dense activation's active units (``stats.active_units``) the TwELL
+    path would have sent to the dense path: the test of ``block_dense`` (and of the kernels) on the
+    active units of each block and its (row, ``tile_n``-wide tile) pairs past ``cap``. A 0-d tensor,
+    computed on the device."""
+    m, f = active.shape
     n_tiles, n_blocks = -(-f // tile_n), -(-m // DECISION_ROWS)
-    active = ((act > 0) | act.isnan()).to(torch.int32)
+    active = active.to(torch.int32)
     per_tile = torch.nn.functional.pad(active, (0, n_tiles * tile_n - f)).view(m, n_tiles, tile_n).sum(-1)
     per_row = torch.stack([per_tile.sum(1), (per_tile > cap).sum(1)])  # active units, row-tiles past cap
     per_block = torch.nn.functional.pad(per_row, (0, n_blocks * DECISION_ROWS - m)).view(2, n_blocks, -1).sum(-1)
@@ -606,13 +607,16 @@ def _cublas_mlp(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weig
     ``cublas``; every block counts as dense and no row as overflowing. ``report``: the TwELL plan of a
     routed call that reports, for ``density_route``, how many blocks that plan would have sent dense."""
     out, act = build.cuda_extension().cublas_mlp(x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias)
-    if report is not None:
-        ROUTER.report(act_weight, report.route_class, _activation_dense_blocks(act, report.thresholds, report.cap),
-                      -(-act.shape[0] // DECISION_ROWS))
     recorder = stats.active_recorder()
+    if report is None and recorder is None:
+        return out
+    active = stats.active_units(act)
+    if report is not None:
+        ROUTER.report(act_weight, report.route_class, _activation_dense_blocks(active, report.thresholds, report.cap),
+                      -(-act.shape[0] // DECISION_ROWS))
     if recorder is not None:
         m, f = act.shape
-        recorder.add("gated_relu_mlp" if up_weight is not None else "relu_mlp", ((act > 0) | act.isnan()).sum(1), f,
+        recorder.add("gated_relu_mlp" if up_weight is not None else "relu_mlp", active.sum(1), f,
                      overflow_rows=act.new_zeros(m, dtype=torch.bool),
                      block_dense=act.new_ones(-(-m // DECISION_ROWS), dtype=torch.bool), path="cublas")
     return out
