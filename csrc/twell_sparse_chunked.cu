@@ -22,6 +22,10 @@
 //     rows per chunk (H100, 2026-11-25, M = 65536, one wave: 1.38 ms, 1.04 ms with the stores left
 //     out, 1.19 ms paired; at M = 131072 2.75, 2.07 and 2.37 ms), and nothing measurable at 39 (~300
 //     rows per chunk). Half-written sectors are our reading of why; no profile has confirmed it.
+//     Writing each sector with one store instruction (the lanes of a pair swapping halves) gained
+//     nothing more (2026-11-27); with nothing else running the stores still take about 330 us at
+//     M = 65536 with DRAM and L2 far from busy, and what paces them is not known
+//     (examples/results/README.md, "The chunked kernel's time by lesion").
 //     Four slices at a time (64 bytes, three held slices shifted along) was slower than two in an A/B
 //     of both builds: 2.34 against 2.30 ms at M = 131072 and 24, 1.08 against 1.03 ms at 39.
 // Rows that are not the chunks' work, decided per 128-row block from the gate's counts (integer tests,
