@@ -208,7 +208,7 @@ def test_activation_dense_blocks_make_the_kernels_test():
     act[256:, :3] = 2.0  # last block, 44 rows: 132
     act[256:260, 130:140] = 3.0  # ... and 4 of its rows with 10 active units in tile 1: 172 in all
     def count(act, thresholds, cap):
-        return twell_mlp._activation_dense_blocks(stats.active_units(act), thresholds, cap)
+        return twell_mlp._activation_dense_blocks(stats.active_units(act), thresholds, cap, tile_n=128)
 
     assert int(count(act, (300, 150, 2**31 - 1), cap=8)) == 2  # blocks 0 and 2, by their active units
     assert int(count(act, (200, 200, 2**31 - 1), cap=8)) == 2  # blocks 0 and 1

@@ -467,6 +467,7 @@ class CallPlan:
     cuda: object | None  # the extension's MlpPlan for the one-call path; None where settings rule it out
     cublas: bool = False  # the dense MLP through cuBLAS instead of a TwELL path (config.cublas_rows)
     route_class: str | None = None  # the size class for routing by density; None: the call is not routed
+    tile_n: int = 128  # the gate's TwELL tile width, whose row-tiles cap applies to
 
 
 def _route_class(m: int, launch: SparseLaunch, chunked: bool) -> str | None:
@@ -483,12 +484,12 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     the choices the general path below makes, for that case."""
     plan = gate_plan(m, True)
     if config.cublas_rows[0] <= m <= config.cublas_rows[1]:
-        return CallPlan((0, 0, 0), plan.cap, None, cublas=True)
+        return CallPlan((0, 0, 0), plan.cap, None, cublas=True, tile_n=plan.tile_n)
     sms = _num_sms(device)
     launch = sparse_launch(m, d, sms, d % 8 == 0)  # aligned rows: 16-byte rows everywhere but maybe out's
     thresholds = _dense_thresholds(m, f, launch.entry_split)
     if not (config.wgmma_kernels and _cuda_tiles(plan)):
-        return CallPlan(thresholds, plan.cap, None, route_class=_route_class(m, launch, False))
+        return CallPlan(thresholds, plan.cap, None, route_class=_route_class(m, launch, False), tile_n=plan.tile_n)
     chunked = _chunked(m, f, d, launch)
     kernel_thresholds = _dense_thresholds(m, f, launch.entry_split, chunked) if chunked else thresholds
     cuda = build.cuda_extension().MlpPlan()
@@ -505,7 +506,7 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     cuda.poison, cuda.poison_word, cuda.poison_count = config.poison_buffers, _POISON_WORD, _POISON_COUNT
     # A chunked call returns the chunked kernel's decision per block (1: dense) instead of block_nnz.
     return CallPlan(CHUNKED_DECISION_THRESHOLDS if chunked else thresholds, plan.cap, cuda,
-                    route_class=_route_class(m, launch, chunked))
+                    route_class=_route_class(m, launch, chunked), tile_n=plan.tile_n)
 
 
 def _chunked(m: int, f: int, d: int, launch: SparseLaunch) -> bool:
@@ -585,7 +586,7 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     return out.view(*x.shape[:-1], d)
 
 
-def _activation_dense_blocks(active: Tensor, thresholds: tuple[int, int, int], cap: int, tile_n: int = 128) -> Tensor:
+def _activation_dense_blocks(active: Tensor, thresholds: tuple[int, int, int], cap: int, tile_n: int) -> Tensor:
     """How many 128-row blocks of a dense activation's active units (``stats.active_units``) the TwELL
     path would have sent to the dense path: the test of ``block_dense`` (and of the kernels) on the
     active units of each block and its (row, ``tile_n``-wide tile) pairs past ``cap``. A 0-d tensor,
@@ -612,8 +613,8 @@ def _cublas_mlp(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weig
         return out
     active = stats.active_units(act)
     if report is not None:
-        ROUTER.report(act_weight, report.route_class, _activation_dense_blocks(active, report.thresholds, report.cap),
-                      -(-act.shape[0] // DECISION_ROWS))
+        dense_blocks = _activation_dense_blocks(active, report.thresholds, report.cap, report.tile_n)
+        ROUTER.report(act_weight, report.route_class, dense_blocks, -(-act.shape[0] // DECISION_ROWS))
     if recorder is not None:
         m, f = act.shape
         recorder.add("gated_relu_mlp" if up_weight is not None else "relu_mlp", active.sum(1), f,
