@@ -28,6 +28,7 @@
 //     (examples/results/README.md, "The chunked kernel's time by lesion").
 //     Four slices at a time (64 bytes, three held slices shifted along) was slower than two in an A/B
 //     of both builds: 2.34 against 2.30 ms at M = 131072 and 24, 1.08 against 1.03 ms at 39.
+//     A warp whose rows are all of one piece stores before the slice's barrier (in the down loop).
 // Rows that are not the chunks' work, decided per 128-row block from the gate's counts (integer tests,
 // on the device):
 //   - rows of blocks too dense to pay: the dense path, which reads the decision this kernel writes;
@@ -696,7 +697,6 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
     __syncthreads();  // every plan is read before the down projection's partials overwrite them
 
     T* out_row = out + static_cast<int64_t>(job.row) * D;
-    uint4 held_out = make_uint4(0u, 0u, 0u, 0u);  // a row owner's even slice, stored with the next one
     for (int s = 0; s < down_slices; ++s, ++stage) {
       ptx::mbarrier_wait(&full[stage & 1], (stage >> 1) & 1);
       const uint32_t slice = slices_addr + (stage & 1) * buffer_bytes;
@@ -710,9 +710,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
         held[0] = make_float4(o[0], o[1], o[2], o[3]);
         held[1] = make_float4(o[4], o[5], o[6], o[7]);
       }
-      __syncthreads();  // this buffer is free, and the partials are visible
-      if (tid == 0 && stage + 2 < n_stages) issue(stage + 2);
-      if (count > 0 && job_parts > 0) {
+      // A row's output slice: the owner adds the other pieces' partials (b_down), rounds, and stores.
+      const auto finish_row = [&]() {
         for (int p = 1; p < job_parts; ++p) {
           const float4 lo = held[2 * p], hi = held[2 * p + 1];
           o[0] += lo.x; o[1] += lo.y; o[2] += lo.z; o[3] += lo.w;
@@ -732,13 +731,29 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
         packed_out.z = Dtype16<T>::pair_bits(o[4], o[5]);
         packed_out.w = Dtype16<T>::pair_bits(o[6], o[7]);
         // Slices go out in pairs, so that each 32-byte sector of the row is written whole (file comment).
+        // The even slice waits in the owner's own slot of the even partials buffer, which no other
+        // piece writes (registers are full: kept in one, it added spills to the bf16 gated build).
+        uint4* held_out = reinterpret_cast<uint4*>(partials + job.local * 2);
         if (s % 2 == 0 && s + 1 < down_slices) {
-          held_out = packed_out;
+          *held_out = packed_out;
         } else {
-          if (s % 2 == 1) *reinterpret_cast<uint4*>(out_row + col - kSlice) = held_out;
+          if (s % 2 == 1) *reinterpret_cast<uint4*>(out_row + col - kSlice) = *held_out;
           *reinterpret_cast<uint4*>(out_row + col) = packed_out;
         }
-      }
+      };
+      // A warp whose rows are all of one piece finishes them before the slice's barrier, so that their
+      // stores overlap the slower warps' entries; a row of several pieces needs their partials, after
+      // it. Decided per warp: a warp mixing both would run the finishing code on both sides. At 24
+      // active units per row nearly all warps finish early (4.5% off the kernel at M = 131072; 9%
+      // non-gated); at 80 nearly none, and it measured 1-2% slower there, cause not found; level at 39
+      // and in float16 (H100, 2026-11-27; examples/results/README.md, "Early stores"). The gated
+      // builds spill 20-24 bytes with it, in each chunk's set-up only (SASS: no local memory access in
+      // the slice loops).
+      const bool finish_early = __all_sync(0xffffffffu, !(count > 0 && job_parts > 1));
+      if (finish_early && count > 0 && job_parts > 0) finish_row();
+      __syncthreads();  // this buffer is free, and the partials are visible
+      if (tid == 0 && stage + 2 < n_stages) issue(stage + 2);
+      if (!finish_early && count > 0 && job_parts > 0) finish_row();
     }
   }
 }
