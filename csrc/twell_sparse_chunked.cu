@@ -749,6 +749,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
       // and in float16 (H100, 2026-11-27; examples/results/README.md, "Early stores"). The gated
       // builds spill 20-24 bytes with it, in each chunk's set-up only (SASS: no local memory access in
       // the slice loops).
+      // Voted each slice, as timed: the inputs do not change over the loop, but hoisting the vote or
+      // naming the owner test changed the register allocation, and that build has not been timed.
       const bool finish_early = __all_sync(0xffffffffu, !(count > 0 && job_parts > 1));
       if (finish_early && count > 0 && job_parts > 0) finish_row();
       __syncthreads();  // this buffer is free, and the partials are visible

@@ -464,10 +464,10 @@ CHUNKED_DECISION_THRESHOLDS = (0, 0, 2**31 - 1)
 class CallPlan:
     thresholds: tuple[int, int, int]  # what block_dense applies to the call's third result
     cap: int
+    tile_n: int  # the gate's TwELL tile width: cap applies to its row-tiles
     cuda: object | None  # the extension's MlpPlan for the one-call path; None where settings rule it out
     cublas: bool = False  # the dense MLP through cuBLAS instead of a TwELL path (config.cublas_rows)
     route_class: str | None = None  # the size class for routing by density; None: the call is not routed
-    tile_n: int = 128  # the gate's TwELL tile width, whose row-tiles cap applies to
 
 
 def _route_class(m: int, launch: SparseLaunch, chunked: bool) -> str | None:
@@ -484,12 +484,12 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     the choices the general path below makes, for that case."""
     plan = gate_plan(m, True)
     if config.cublas_rows[0] <= m <= config.cublas_rows[1]:
-        return CallPlan((0, 0, 0), plan.cap, None, cublas=True, tile_n=plan.tile_n)
+        return CallPlan((0, 0, 0), plan.cap, plan.tile_n, None, cublas=True)
     sms = _num_sms(device)
     launch = sparse_launch(m, d, sms, d % 8 == 0)  # aligned rows: 16-byte rows everywhere but maybe out's
     thresholds = _dense_thresholds(m, f, launch.entry_split)
     if not (config.wgmma_kernels and _cuda_tiles(plan)):
-        return CallPlan(thresholds, plan.cap, None, route_class=_route_class(m, launch, False), tile_n=plan.tile_n)
+        return CallPlan(thresholds, plan.cap, plan.tile_n, None, route_class=_route_class(m, launch, False))
     chunked = _chunked(m, f, d, launch)
     kernel_thresholds = _dense_thresholds(m, f, launch.entry_split, chunked) if chunked else thresholds
     cuda = build.cuda_extension().MlpPlan()
@@ -505,8 +505,8 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     cuda.thr_full, cuda.thr_last, cuda.thr_heavy = kernel_thresholds
     cuda.poison, cuda.poison_word, cuda.poison_count = config.poison_buffers, _POISON_WORD, _POISON_COUNT
     # A chunked call returns the chunked kernel's decision per block (1: dense) instead of block_nnz.
-    return CallPlan(CHUNKED_DECISION_THRESHOLDS if chunked else thresholds, plan.cap, cuda,
-                    route_class=_route_class(m, launch, chunked), tile_n=plan.tile_n)
+    return CallPlan(CHUNKED_DECISION_THRESHOLDS if chunked else thresholds, plan.cap, plan.tile_n, cuda,
+                    route_class=_route_class(m, launch, chunked))
 
 
 def _chunked(m: int, f: int, d: int, launch: SparseLaunch) -> bool:
