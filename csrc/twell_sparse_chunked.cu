@@ -682,6 +682,13 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
           for (int v = 0; v < 8; ++v) a = fmaf(xf[v], w[v], a);
           acc[j] = a;
         });
+        // A CTA barrier, not per-warp release: with each warp counting itself done and the last
+        // refilling the buffer, warps ran up to a slice apart, took issue slots from the slowest warp
+        // (whose finish the next copy waits for), and the kernel was 2-7% slower (H100, 2026-11-27).
+        // Lesions that day found no single resource pacing this loop: without the bf16 conversions
+        // 1-4% faster; without bank conflicts, or with one shared address for all lanes, no faster at
+        // 24-39 units per row (6-9% at 80); two chains of 4 products per entry, 0-5% slower
+        // (examples/results/README.md, "What does not pace the chunked kernel").
         __syncthreads();  // every thread is done with this buffer
         if (tid == 0 && stage + 2 < n_stages) issue(stage + 2);
       }

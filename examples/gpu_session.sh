@@ -2,7 +2,7 @@
 # One call on a lent GPU: install, build the kernels, run the CUDA tests, sanitizers and benchmarks.
 #   bash examples/gpu_session.sh [smoke|test|sanitize|bench-mlp|bench-host|bench-model|profile|sweep|script NAME.py|all] [args...]
 # Extra arguments go to pytest (test, e.g. -n 4 with pytest-xdist) or to the script run.
-# Wheels for packages the GPU image lacks (expecttest) may be carried in .whl/.
+# Wheels for packages the GPU image lacks (expecttest; pytest-xdist and execnet for -n) may be carried in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/twell_out}; mkdir -p "$OUT"
