@@ -69,9 +69,11 @@ constexpr int kChunkThreads = 512;
 // kChunkThreads pieces and every chunk streams all the weights, so the pieces per row set the time:
 // at 24 active units per row about 4% of rows have more than 32 (two pieces at a cap of 32), which
 // took M = 131072 from two waves of chunks to three.
-// float16's conversions take more registers: 40 entries spilled there, so it keeps 32.
+// float16 held 32 until 2026-11-27, when 40 had once spilled in its loops; it now compiles as bfloat16
+// does (24 bytes spilled, in the chunk's set-up only), and 40 took its chunked kernel from 2624-2637 to
+// 2227-2263 us at M = 131072 and 24 units (H100; examples/results/README.md, "float16 pieces of 40").
 template <typename T>
-constexpr int kPieceEntries = Dtype16<T>::kBF16 ? 40 : 32;
+constexpr int kPieceEntries = 40;
 template <typename T>
 constexpr int kMaxRowPieces = (kChunkMaxRowEntries + kPieceEntries<T> - 1) / kPieceEntries<T>;
 // Nominal pieces per chunk: cut at row boundaries, a chunk may run up to kMaxRowPieces - 1 over.
