@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU: install, build the kernels, run the CUDA tests, sanitizers and benchmarks.
 #   bash examples/gpu_session.sh [smoke|test|sanitize|bench-mlp|bench-host|bench-model|profile|sweep|script NAME.py|all] [args...]
-# Extra arguments go to pytest (test, e.g. -n 4 with pytest-xdist) or to the script run.
+# Extra arguments go to pytest (test, e.g. -n 4 with pytest-xdist), to sanitize_case.py (sanitize) or to the script run.
 # Wheels for packages the GPU image lacks (expecttest; pytest-xdist and execnet for -n) may be carried in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ case $what in
   test) run_tests "${@:2}" ;;
   sanitize)
     for tool in memcheck racecheck; do
-      compute-sanitizer --tool $tool --target-processes all python3 "$REPO/examples/sanitize_case.py" 2>&1 |
+      compute-sanitizer --tool $tool --target-processes all python3 "$REPO/examples/sanitize_case.py" "${@:2}" 2>&1 |
         tee "$OUT/sanitize_$tool.log" | tail -6
     done ;;
   bench-mlp) python3 "$REPO/examples/bench_mlp.py" --json "$OUT/bench_mlp.json" "${@:2}" 2>&1 | tee "$OUT/bench_mlp.log" ;;
