@@ -34,6 +34,7 @@ CASES = [(7, (257, 1031, 131), True, float("inf")), (300, (264, 1000, 200), Fals
          # non-gated with every block sparse.
          (600, (264, 1000, 200), True, 0.024),  # 3072 units a block: about half dense
          (601, (264, 1000, 200), False, float("inf"))]
+CHUNKED_ROWS = (600, 601)  # the cases above that run the chunked kernel
 
 
 def run_case(m, shape, gated, density, dtype=torch.bfloat16):
@@ -43,13 +44,13 @@ def run_case(m, shape, gated, density, dtype=torch.bfloat16):
     # cooperative schedule (the default) wherever its tiles fill the grid (M = 520, 600, 601 and 4126),
     # ping-pong elsewhere.
     twell_mlp.config.gemm_tile_m = twell_mlp.config.down_gemm_tile_m = 256 if m == 4126 else 128
-    twell_mlp.config.gate_gemm_tile_m = 256 if m in (520, 600, 601, 4126) else 128
+    twell_mlp.config.gate_gemm_tile_m = 256 if m in (520, *CHUNKED_ROWS, 4126) else 128
     # (The dense path at M = 130 splits the down projection's K by itself: 4 ranges.)
     twell_mlp.config.gemm_k_splits = 3 if k == 2056 else 0
     # The chunked sparse kernel (csrc/twell_sparse_chunked.cu) at M = 600 and 601, four CTAs (several
     # chunks each).
-    twell_mlp.config.chunked_sparse_rows = 600 if m in (600, 601) else 0
-    twell_mlp._num_sms = (lambda device: 4) if m in (600, 601) else default_num_sms
+    twell_mlp.config.chunked_sparse_rows = min(CHUNKED_ROWS) if m in CHUNKED_ROWS else 0
+    twell_mlp._num_sms = (lambda device: 4) if m in CHUNKED_ROWS else default_num_sms
     config = twell_mlp.config
     config.dense_block_density = config.decode_dense_block_density = config.chunked_dense_block_density = density
     twell_mlp.config.heavy_block_overflow_tiles = 2**31 - 1 if density == float("inf") else 16
@@ -60,13 +61,13 @@ def run_case(m, shape, gated, density, dtype=torch.bfloat16):
 
 
 float16_chunked_only = "--float16-chunked-only" in sys.argv[1:]
-for case in CASES:
-    if not float16_chunked_only:
+if not float16_chunked_only:
+    for case in CASES:
         run_case(*case)
-# The chunked kernel's two cases again in float16 (its own template instance; 40 entries a thread since
+# The chunked kernel's cases again in float16 (its own template instance; 40 entries a thread since
 # 2026-11-27, as bfloat16).
 for case in CASES:
-    if case[0] in (600, 601):
+    if case[0] in CHUNKED_ROWS:
         run_case(*case, dtype=torch.float16)
 
 if float16_chunked_only:

@@ -463,8 +463,7 @@ CHUNKED_DECISION_THRESHOLDS = (0, 0, 2**31 - 1)
 @dataclasses.dataclass(frozen=True)
 class CallPlan:
     thresholds: tuple[int, int, int]  # what block_dense applies to the call's third result
-    cap: int
-    tile_n: int  # the gate's TwELL tile width: cap applies to its row-tiles
+    gate: GatePlan  # the gate's tiles and slots (cap per row-tile), as the CUDA path packs them
     cuda: object | None  # the extension's MlpPlan for the one-call path; None where settings rule it out
     cublas: bool = False  # the dense MLP through cuBLAS instead of a TwELL path (config.cublas_rows)
     route_class: str | None = None  # the size class for routing by density; None: the call is not routed
@@ -484,12 +483,12 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     the choices the general path below makes, for that case."""
     plan = gate_plan(m, True)
     if config.cublas_rows[0] <= m <= config.cublas_rows[1]:
-        return CallPlan((0, 0, 0), plan.cap, plan.tile_n, None, cublas=True)
+        return CallPlan((0, 0, 0), plan, None, cublas=True)
     sms = _num_sms(device)
     launch = sparse_launch(m, d, sms, d % 8 == 0)  # aligned rows: 16-byte rows everywhere but maybe out's
     thresholds = _dense_thresholds(m, f, launch.entry_split)
     if not (config.wgmma_kernels and _cuda_tiles(plan)):
-        return CallPlan(thresholds, plan.cap, plan.tile_n, None, route_class=_route_class(m, launch, False))
+        return CallPlan(thresholds, plan, None, route_class=_route_class(m, launch, False))
     chunked = _chunked(m, f, d, launch)
     kernel_thresholds = _dense_thresholds(m, f, launch.entry_split, chunked) if chunked else thresholds
     cuda = build.cuda_extension().MlpPlan()
@@ -505,7 +504,7 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     cuda.thr_full, cuda.thr_last, cuda.thr_heavy = kernel_thresholds
     cuda.poison, cuda.poison_word, cuda.poison_count = config.poison_buffers, _POISON_WORD, _POISON_COUNT
     # A chunked call returns the chunked kernel's decision per block (1: dense) instead of block_nnz.
-    return CallPlan(CHUNKED_DECISION_THRESHOLDS if chunked else thresholds, plan.cap, plan.tile_n, cuda,
+    return CallPlan(CHUNKED_DECISION_THRESHOLDS if chunked else thresholds, plan, cuda,
                     route_class=_route_class(m, launch, chunked))
 
 
@@ -570,7 +569,7 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
                                                     up_sliced, down_sliced)
     if result is not None:
         out, counts, block_nnz = result
-        thresholds, cap = plan.thresholds, plan.cap
+        thresholds, cap = plan.thresholds, plan.gate.cap
     else:
         out, counts, block_nnz, thresholds, cap = _twell_mlp_general(
             x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias)
@@ -613,7 +612,7 @@ def _cublas_mlp(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weig
         return out
     active = stats.active_units(act)
     if report is not None:
-        dense_blocks = _activation_dense_blocks(active, report.thresholds, report.cap, report.tile_n)
+        dense_blocks = _activation_dense_blocks(active, report.thresholds, report.gate.cap, report.gate.tile_n)
         ROUTER.report(act_weight, report.route_class, dense_blocks, -(-act.shape[0] // DECISION_ROWS))
     if recorder is not None:
         m, f = act.shape
