@@ -1,7 +1,7 @@
 """Routing by observed density on the GPU (``pytest -m cuda``; the logic is in test_density_route.py):
-a layer whose calls keep sending most blocks to the dense path moves to the cuBLAS route within a few
-calls, the host reading the reports from pinned memory without waiting; it comes back when its
-activation turns sparse; a dense layer is captured on cuBLAS in a CUDA graph, also under
+a layer whose calls keep sending blocks to the dense path moves to the cuBLAS route within a few calls
+(at 1024 rows one dense block in eight is enough; at 16384 rows two in 128 are not), the host reading
+the reports from pinned memory without waiting; it comes back when its activation turns sparse; a dense layer is captured on cuBLAS in a CUDA graph, also under
 mode="reduce-overhead"; results match eager on either route.
 """
 
@@ -13,7 +13,7 @@ import torch
 import twell_compile
 from helpers import eager_gated, eager_relu, requires_twell_kernels
 from twell_compile.kernels import twell_mlp
-from twell_compile.testing import make_problem, relative_error
+from twell_compile.testing import _normal_quantile, make_problem, relative_error
 
 pytestmark = pytest.mark.cuda
 
@@ -49,8 +49,20 @@ def test_a_dense_layer_moves_to_cublas_and_back_when_it_turns_sparse(m, gated):
     # The same layer, now sparse (the density rides on x's first feature): it comes back to TwELL.
     sparse = make_problem(m, 2048, 5632, nnz_per_row=24.0, gated=gated, bias=True)
     problem.x = sparse.x
-    paths = [_path_of_call(problem, gated) for _ in range(6 * twell_mlp.config.route_report_every)]
+    paths = [_path_of_call(problem, gated) for _ in range(8 * twell_mlp.config.route_report_every)]
     assert paths[-1] == "twell", paths
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize(("m", "dense_blocks", "path"), [(1024, 1, "cublas"), (16384, 2, "twell")],
+                         ids=["m1024-one-of-8-dense", "m16384-two-of-128-dense"])
+def test_a_partly_dense_layer_goes_where_its_row_count_pays(m, dense_blocks, path):
+    """One dense block costs the TwELL path about what all of them do, which loses to cuBLAS at 1024
+    rows; at 16384 rows a few dense blocks among many sparse ones still pay (density_route.ENTER_SHARES)."""
+    problem = make_problem(m, 2048, 5632, nnz_per_row=24.0, bias=True)
+    problem.x[:128 * dense_blocks, 0] = _normal_quantile(80 / 5632)  # x's first feature sets the density
+    paths = [_path_of_call(problem, True) for _ in range(4)]
+    assert paths[0] == "twell" and paths[-1] == path, paths
 
 
 @requires_twell_kernels

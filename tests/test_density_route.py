@@ -20,41 +20,65 @@ def _report(router, weight, size_class, dense, blocks=8):
     router.report(weight, size_class, torch.tensor(dense), blocks)
 
 
-def test_a_layer_goes_to_cublas_once_its_average_dense_share_reaches_one_half():
+def test_the_entering_share_grows_with_the_row_count():
+    enter = density_route.enter_share
+    assert enter(513, "small") == enter(1024, "small") == 0.05
+    assert enter(2048, "small") == pytest.approx(0.06)
+    assert enter(2896, "small") == pytest.approx(0.08, abs=1e-3)  # halfway in log2 between 2048 and 4096
+    assert enter(8192, "large") == pytest.approx(0.15)
+    assert enter(16384, "large") == enter(32767, "large") == 0.25
+    assert enter(16, "decode") == enter(128, "decode") == 0.5  # one block: the share of dense calls
+    shares = [enter(m, "small") for m in range(513, 32768, 97)]
+    assert shares == sorted(shares)
+
+
+def test_a_layer_goes_to_cublas_once_its_average_dense_share_reaches_the_entering_share():
     router, weight = DensityRouter(), torch.randn(8, 4)
-    assert router.decide(weight, "small", 8) == (False, True)  # nothing known: TwELL, and report
-    _report(router, weight, "small", 3)  # 3/8
-    assert router.share(weight, "small") == pytest.approx(3 / 8)
-    assert router.decide(weight, "small", 8)[0] is False
-    _report(router, weight, "small", 8)  # average (3/8 + 1) / 2 = 0.6875
-    assert router.share(weight, "small") == pytest.approx(0.6875)
-    assert router.decide(weight, "small", 8)[0] is True
+    assert router.decide(weight, "small", 8, 1024) == (False, True)  # nothing known: TwELL, and report
+    _report(router, weight, "small", 0, blocks=8)
+    assert router.share(weight, "small") == 0.0
+    assert router.decide(weight, "small", 8, 1024)[0] is False
+    _report(router, weight, "small", 1, blocks=8)  # average (0 + 1/8) / 2 = 1/16, over 1024 rows' 0.05
+    assert router.share(weight, "small") == pytest.approx(1 / 16)
+    assert router.decide(weight, "small", 8, 1024)[0] is True
 
 
-def test_a_routed_layer_comes_back_only_below_one_quarter():
+def test_a_large_call_needs_a_larger_share_than_a_small_one():
+    small_calls, large_calls = DensityRouter(), DensityRouter()
+    weight = torch.randn(8, 4)
+    for router in (small_calls, large_calls):
+        _report(router, weight, "large", 2, blocks=16)  # 1/8
+    assert small_calls.decide(weight, "large", 8, 4608)[0] is True  # enters at about 0.11
+    assert large_calls.decide(weight, "large", 8, 16384)[0] is False  # enters at 0.25
+    _report(large_calls, weight, "large", 16, blocks=16)  # (1/8 + 1) / 2
+    assert large_calls.decide(weight, "large", 8, 16384)[0] is True
+
+
+def test_a_routed_layer_comes_back_only_below_half_its_entering_share():
     router, weight = DensityRouter(), torch.randn(8, 4)
     _report(router, weight, "large", 8)  # share 1: routed
-    assert router.decide(weight, "large", 8)[0] is True
-    _report(router, weight, "large", 0)  # 0.5
-    _report(router, weight, "large", 0)  # 0.25: not below one quarter yet
-    assert router.decide(weight, "large", 8)[0] is True
-    _report(router, weight, "large", 0)  # 0.125
-    assert router.decide(weight, "large", 8)[0] is False
-    assert router.share(weight, "large") == pytest.approx(0.125)
+    assert router.decide(weight, "large", 8, 16384)[0] is True
+    for _ in range(3):
+        _report(router, weight, "large", 0)  # 0.5, 0.25, 0.125: not below 0.125 yet
+    assert router.decide(weight, "large", 8, 16384)[0] is True
+    _report(router, weight, "large", 0)  # 0.0625
+    assert router.decide(weight, "large", 8, 16384)[0] is False
+    _report(router, weight, "large", 1)  # (0.0625 + 0.125) / 2 = 0.094: below 0.25, stays on TwELL
+    assert router.decide(weight, "large", 8, 16384)[0] is False
 
 
 def test_size_classes_and_layers_are_routed_apart():
     router, dense_layer, sparse_layer = DensityRouter(), torch.randn(8, 4), torch.randn(8, 4)
     _report(router, dense_layer, "small", 8)
-    assert router.decide(dense_layer, "small", 8)[0] is True
-    assert router.decide(dense_layer, "decode", 8)[0] is False  # another class: its own thresholds
-    assert router.decide(sparse_layer, "small", 8)[0] is False
+    assert router.decide(dense_layer, "small", 8, 1024)[0] is True
+    assert router.decide(dense_layer, "decode", 8, 1024)[0] is False  # another class: its own thresholds
+    assert router.decide(sparse_layer, "small", 8, 1024)[0] is False
     assert router.share(sparse_layer, "small") is None
 
 
 def test_the_first_calls_then_one_in_n_report():
     router, weight = DensityRouter(), torch.randn(8, 4)
-    reports = [router.decide(weight, "small", 4)[1] for _ in range(13)]
+    reports = [router.decide(weight, "small", 4, 1024)[1] for _ in range(13)]
     # calls 0 and 1 (FIRST_REPORTS), then calls 4, 8 and 12
     assert [i for i, r in enumerate(reports) if r] == [0, 1, 4, 8, 12]
     assert density_route.FIRST_REPORTS == 2
@@ -64,13 +88,13 @@ def test_a_layer_is_its_weight_storage_and_a_freed_weight_forgets_its_route():
     router = DensityRouter()
     weight = torch.randn(64, 32)
     _report(router, weight, "small", 8)
-    assert router.decide(weight, "small", 8)[0] is True
-    assert router.decide(weight.detach(), "small", 8)[0] is True  # another tensor, the same storage
+    assert router.decide(weight, "small", 8, 1024)[0] is True
+    assert router.decide(weight.detach(), "small", 8, 1024)[0] is True  # another tensor, the same storage
     assert router.share(torch.randn(64, 32), "small") is None
     assert len(router) == 1
     del weight
     gc.collect()
-    router.decide(torch.randn(8, 4), "small", 8)  # a new layer: expired ones are dropped
+    router.decide(torch.randn(8, 4), "small", 8, 1024)  # a new layer: expired ones are dropped
     assert len(router) == 1
 
 
@@ -80,14 +104,14 @@ def test_reports_are_read_once_landed_oldest_first():
     and hands their words back. Simulated here with words of an unpinned tensor, landed by hand."""
     router, weight = DensityRouter(), torch.randn(8, 4)
     router._words = words = _ReportWords(2, pinned=False)
-    router.decide(weight, "small", 8)
+    router.decide(weight, "small", 8, 1024)
     first, second = words.take(), words.take()
     assert words.take() is None  # every word in flight
     router._layer(weight, create=False).pending += [("small", first, 8), ("small", second, 8)]
     words.tensor[second] = 8  # the later one landed first: it waits for the older one
-    assert router.decide(weight, "small", 8)[0] is False
+    assert router.decide(weight, "small", 8, 1024)[0] is False
     words.tensor[first] = 8
-    assert router.decide(weight, "small", 8)[0] is True
+    assert router.decide(weight, "small", 8, 1024)[0] is True
     assert router.share(weight, "small") == 1.0
     assert words.take() is not None and words.take() is not None
 
@@ -99,7 +123,7 @@ def test_a_capture_waits_for_the_reports_in_flight():
 
     router, weight = DensityRouter(), torch.randn(8, 4)
     router._words = words = _ReportWords(1, pinned=False)
-    router.decide(weight, "small", 8)
+    router.decide(weight, "small", 8, 1024)
     layer = router._layer(weight, create=False)
     layer.pending.append(("small", words.take(), 8))
     router._read_landed(layer)  # without waiting: still in flight
@@ -115,7 +139,7 @@ def test_words_of_a_dropped_layer_come_back_once_landed():
     router, words = DensityRouter(), _ReportWords(1, pinned=False)
     router._words = words
     weight = torch.randn(8, 4)
-    router.decide(weight, "small", 8)
+    router.decide(weight, "small", 8, 1024)
     word = words.take()
     router._layer(weight, create=False).pending.append(("small", word, 8))
     router.clear()  # the layer goes while its report is in flight
@@ -197,7 +221,7 @@ def test_twell_mlp_follows_the_route_and_the_setting(recording_extension, monkey
     monkeypatch.setattr(twell_mlp.config, "route_by_density", True)
     # Routed calls report from their dense activation (all zeros here: no block dense), and the
     # average falls until the layer comes back.
-    routes = [call() for _ in range(4 * twell_mlp.config.route_report_every)]
+    routes = [call() for _ in range(8 * twell_mlp.config.route_report_every)]
     assert routes[0] == "cublas_mlp" and routes[-1] == "mlp_forward"
 
 

@@ -15,10 +15,14 @@ waits on the GPU, and it works while a CUDA graph is being captured (where even 
 not allowed).
 
 Per layer and size class (the classes whose dense-block thresholds differ: decode-sized calls, up to
-4096 rows, larger), the shares are averaged (each new report weighs half). A class's calls go to cuBLAS
-once that average reaches ``ENTER_SHARE`` and come back to TwELL once it falls below ``LEAVE_SHARE``
-(hysteresis, so a layer near the boundary does not flip every call). Reports are sampled: the first
-``FIRST_REPORTS`` calls of a class, then one call in ``config.route_report_every``.
+4096 rows, larger), the shares are averaged (each new report weighs half). A call goes to cuBLAS once
+its class's average reaches ``enter_share`` of its row count, and a routed class's calls come back to
+TwELL once it falls below half of that (hysteresis, so a layer near the boundary does not flip every
+call). The threshold grows with the row count: a call with any dense block pays for the dense path's
+GEMMs about as much as one whose blocks are all dense, which at 768-2048 rows already loses to cuBLAS,
+while at 16384 rows a quarter of the blocks dense is where the paths cross (``ENTER_SHARES``). Reports
+are sampled: the first ``FIRST_REPORTS`` calls of a class, then one call in
+``config.route_report_every``.
 
 A layer is its activated projection's weight (the gate's, or the up projection's where non-gated),
 keyed as the weight caches key it: by storage, checked alive with a weak reference, so a freed weight
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -47,13 +52,40 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .weight_cache import weight_key
 
-ENTER_SHARE = 0.5
-"""Average dense-block share from which a class's calls go to cuBLAS: most of the call then runs our
-dense-path GEMMs, which lost to cuBLAS at every measured size below the chunked kernel's (0.65-0.95x
-with every block dense at 513-8192 rows), while calls with no dense block won (1.05-1.5x at 24-39
-active units per row from 768 rows)."""
-LEAVE_SHARE = 0.25
-"""Average share below which a routed class's calls go back to the TwELL path."""
+ENTER_SHARES = ((1024, 0.05), (2048, 0.06), (4096, 0.10), (8192, 0.15), (16384, 0.25))
+"""(rows, average dense-block share from which calls of that many rows go to cuBLAS), interpolated in
+log2(rows) between the points and held beyond them. Where the TwELL path crossed the cuBLAS MLP on calls
+with a share of their blocks dense (80 active units per row) and the rest at 24 or 39 (H100, bf16, CUDA
+graphs, 2026-11-27, ``examples/sweep_route_share.py``; twell/cuBLAS time at shares 0, 1/8 and 1/4):
+1024 rows 0.87-1.03, 1.42-1.54, 1.51-1.65; 2048 rows 0.76-0.91, 1.10-1.21, 1.18-1.27; 4096 rows
+0.69-0.85, 0.97-1.07, 1.12-1.22; 8192 rows 0.66-0.78, 0.87-1.02, 1.06-1.19; 16384 rows 0.59-0.71,
+0.79-0.87, 0.98-1.04, and 0.94-1.09 from there to every block dense. One dense block costs the TwELL
+path nearly what all of them do (1024 rows, 24 units: 157.6 us with one of 8 dense, 155.6 with all 8,
+96.1 with none), since the dense path's GEMMs then run a few tiles each on a few SMs."""
+DECODE_ENTER_SHARE = 0.5
+"""The same for decode-sized calls (one 128-row block, so the share is the fraction of calls whose block
+is dense): there the dense path costs about what cuBLAS does (32 rows at 80 active units per row, 42.9
+against 40.8 us, H100) while a sparse block saves a quarter or more, so a layer goes only when most
+calls are dense."""
+LEAVE_FRACTION = 0.5
+"""A routed class's calls come back to TwELL once its average share falls below this fraction of the
+entering share."""
+
+
+def enter_share(rows: int, size_class: str) -> float:
+    """The average dense-block share from which a call of ``rows`` rows of this size class goes to cuBLAS."""
+    if size_class == "decode":
+        return DECODE_ENTER_SHARE
+    points = ENTER_SHARES
+    if rows <= points[0][0]:
+        return points[0][1]
+    for (m0, s0), (m1, s1) in zip(points, points[1:]):
+        if rows <= m1:
+            t = (math.log2(rows) - math.log2(m0)) / (math.log2(m1) - math.log2(m0))
+            return s0 + t * (s1 - s0)
+    return points[-1][1]
+
+
 FIRST_REPORTS = 2
 """Calls of a class that always report, so that a new layer's route settles within a few calls."""
 MAX_PENDING = 4
@@ -101,7 +133,7 @@ class _ReportWords:
 class _ClassState:
     calls: int = 0
     share: float | None = None  # average dense-block share of the reports read so far
-    cublas: bool = False
+    cublas: bool = False  # the route of the class's last call (for the hysteresis)
 
 
 @dataclasses.dataclass
@@ -120,8 +152,8 @@ class DensityRouter:
         self._lock = threading.Lock()
         self._words: _ReportWords | None = None  # allocated at the first report from a GPU
 
-    def decide(self, weight: torch.Tensor, size_class: str, report_every: int) -> tuple[bool, bool]:
-        """(whether this call goes to cuBLAS, whether it should report its dense-block share)."""
+    def decide(self, weight: torch.Tensor, size_class: str, report_every: int, rows: int) -> tuple[bool, bool]:
+        """(whether this call of ``rows`` rows goes to cuBLAS, whether it should report its dense-block share)."""
         capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
         with self._lock:
             layer = self._layer(weight, create=not capturing)
@@ -129,6 +161,9 @@ class DensityRouter:
                 return False, False
             self._read_landed(layer, wait_s=CAPTURE_WAIT_S if capturing else 0.0)
             state = layer.classes.setdefault(size_class, _ClassState())
+            if state.share is not None:
+                enter = enter_share(rows, size_class)
+                state.cublas = state.share >= (LEAVE_FRACTION * enter if state.cublas else enter)
             if capturing:
                 return state.cublas, False
             calls, state.calls = state.calls, state.calls + 1
@@ -217,10 +252,6 @@ class DensityRouter:
     @staticmethod
     def _update(state: _ClassState, share: float) -> None:
         state.share = share if state.share is None else 0.5 * (state.share + share)
-        if not state.cublas and state.share >= ENTER_SHARE:
-            state.cublas = True
-        elif state.cublas and state.share < LEAVE_SHARE:
-            state.cublas = False
 
 
 ROUTER = DensityRouter()
