@@ -21,7 +21,7 @@ import torch
 import twell_compile  # noqa: F401  (registers torch.ops.twell)
 from twell_compile.kernels import twell_mlp
 from twell_compile.kernels.triton_kernels import DECISION_ROWS
-from twell_compile.testing import _normal_quantile, cuda_graph_time_ms, make_problem, relative_error
+from twell_compile.testing import cuda_graph_time_ms, make_problem, relative_error
 from twell_compile import stats
 
 
@@ -31,19 +31,6 @@ def dense_blocks_share(x, wg, m: int) -> float:
     active = stats.active_units(torch.relu(x @ wg.t()))
     dense = twell_mlp._activation_dense_blocks(active, plan.thresholds, plan.gate.cap, plan.gate.tile_n)
     return int(dense) / -(-m // DECISION_ROWS)
-
-
-def mixed_problem(m: int, nnz: float, dense_nnz: float, share: float):
-    """A 2B-shape problem at ``nnz`` active units per row whose evenly spread ``share`` of 128-row blocks
-    have ``dense_nnz``: column 0 of x carries each row's density shift (``make_problem``)."""
-    p = make_problem(m, 2048, 5632, nnz_per_row=nnz)
-    blocks = -(-m // DECISION_ROWS)
-    n_dense = round(share * blocks)
-    dense_ids = sorted({int(i * blocks / n_dense) for i in range(n_dense)}) if n_dense else []
-    shift = _normal_quantile(min(dense_nnz / 5632, 0.999))
-    for b in dense_ids:
-        p.x[b * DECISION_ROWS:(b + 1) * DECISION_ROWS, 0] = shift
-    return p
 
 
 def set_route(name: str) -> None:
@@ -66,7 +53,7 @@ def main() -> None:
         for m in args.m:
             for nnz in args.nnz:
                 for share in args.shares:
-                    p = mixed_problem(m, nnz, args.dense_nnz, share)
+                    p = make_problem(m, 2048, 5632, nnz_per_row=nnz, dense_block_share=share, dense_block_nnz=args.dense_nnz)
                     x, wg, wu, wd = p.x, p.gate_weight, p.up_weight, p.down_weight
                     set_route("twell")
                     seen = dense_blocks_share(x, wg, m)

@@ -13,7 +13,7 @@ import torch
 import twell_compile
 from helpers import eager_gated, eager_relu, requires_twell_kernels
 from twell_compile.kernels import twell_mlp
-from twell_compile.testing import _normal_quantile, make_problem, relative_error
+from twell_compile.testing import make_problem, relative_error
 
 pytestmark = pytest.mark.cuda
 
@@ -59,8 +59,7 @@ def test_a_dense_layer_moves_to_cublas_and_back_when_it_turns_sparse(m, gated):
 def test_a_partly_dense_layer_goes_where_its_row_count_pays(m, dense_blocks, path):
     """One dense block costs the TwELL path about what all of them do, which loses to cuBLAS at 1024
     rows; at 16384 rows a few dense blocks among many sparse ones still pay (density_route.ENTER_SHARES)."""
-    problem = make_problem(m, 2048, 5632, nnz_per_row=24.0, bias=True)
-    problem.x[:128 * dense_blocks, 0] = _normal_quantile(80 / 5632)  # x's first feature sets the density
+    problem = make_problem(m, 2048, 5632, nnz_per_row=24.0, bias=True, dense_block_share=dense_blocks / (m // 128))
     paths = [_path_of_call(problem, True) for _ in range(4)]
     assert paths[0] == "twell" and paths[-1] == path, paths
 

@@ -35,3 +35,15 @@ def test_path_names_are_checked():
     assert recorder.calls()[0].path == "cublas"
     with pytest.raises(ValueError, match="unknown path 'dense'"):
         recorder.add("relu_mlp", torch.tensor([1]), 8, path="dense")
+
+
+def test_make_problem_puts_its_dense_blocks_where_asked():
+    """The benchmarks' and routing tests' partly dense activations: a share of the 128-row blocks, spread
+    evenly, at dense_block_nnz active units per row; the rest at nnz_per_row."""
+    problem = make_problem(1024, 256, 1024, nnz_per_row=8.0, dense_block_share=0.25, dense_block_nnz=200.0,
+                           dtype=torch.float64, device="cpu")
+    pre = problem.x @ problem.gate_weight.t()
+    per_block = stats.active_units(pre).view(8, 128, -1).sum(-1).double().mean(1)
+    dense = (per_block > 50).nonzero().flatten().tolist()
+    assert dense == [0, 4]
+    assert per_block[dense].min() > 150 and per_block.max() < 250 and per_block[[1, 2, 3, 5, 6, 7]].max() < 16

@@ -40,14 +40,17 @@ def _normal_quantile(p: float) -> float:
 def make_problem(
     m: int, hidden: int, intermediate: int, out_features: int | None = None, *,
     nnz_per_row: float = 24.0, gated: bool = True, bias: bool = False, skew: bool = False,
-    dense_rows: tuple[int, ...] = (), dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-    generator: torch.Generator | None = None,
+    dense_rows: tuple[int, ...] = (), dense_block_share: float = 0.0, dense_block_nnz: float = 80.0,
+    dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda", generator: torch.Generator | None = None,
 ) -> MlpProblem:
     """Random MLP inputs whose ReLU activation has about ``nnz_per_row`` active units per token.
 
     ``skew``: per-token and per-unit variation (a random shift per token, 2% heavy units, 0.5% heavy
     tokens with hundreds to thousands of active units), so some tiles overflow any fixed capacity.
     ``dense_rows``: tokens with every unit active.
+    ``dense_block_share``: that share of the 128-row blocks (the kernels' decision blocks), spread evenly
+    over the rows, has ``dense_block_nnz`` active units per row instead (80 is past every dense-block
+    threshold at the 2B shape).
     The activated projection is the gate (gated) or the up projection (non-gated).
     """
     if hidden < 2:
@@ -66,6 +69,10 @@ def make_problem(
         row_shift[heavy_rows] -= 2.0
         heavy_units = torch.rand(intermediate, generator=g, **f64) < 0.02
         unit_shift[heavy_units] -= 1.0
+    blocks = -(-m // 128)
+    n_dense = round(dense_block_share * blocks)
+    for b in sorted({i * blocks // n_dense for i in range(n_dense)}) if n_dense else ():
+        row_shift[b * 128:(b + 1) * 128] = _normal_quantile(min(max(dense_block_nnz / intermediate, 1e-6), 0.999))
     for r in dense_rows:
         if r < m:
             row_shift[r] = -12.0
