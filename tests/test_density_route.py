@@ -197,6 +197,24 @@ def test_size_classes_follow_the_dense_block_thresholds(recording_extension):
                        32767: "large", 32768: None, 131072: None}
 
 
+def test_watched_calls_run_the_dense_path_on_128_row_tiles(recording_extension, monkeypatch):
+    """Routing sends calls that go mostly dense to cuBLAS, so below the chunked kernel's sizes the dense
+    path serves calls with a minority of dense blocks, where 256-row tiles would run half idle."""
+    device = torch.device("cuda", 0)
+
+    def tiles(m):
+        cuda = twell_mlp.call_plan(m, 5632, 2048, device).cuda
+        return cuda.gemm_tile_m, cuda.down_gemm_tile_m
+
+    assert tiles(1024) == tiles(4096) == tiles(32767) == (128, 128)
+    assert tiles(32768) == tiles(131072) == (256, 256)  # chunked calls are not routed
+    monkeypatch.setattr(twell_mlp.config, "route_by_density", False)
+    assert tiles(4096) == (256, 256)
+    monkeypatch.setattr(twell_mlp.config, "route_by_density", True)
+    monkeypatch.setattr(twell_mlp.config, "partly_dense_tile_m", 0)
+    assert tiles(4096) == (256, 256)
+
+
 def test_twell_mlp_follows_the_route_and_the_setting(recording_extension, monkeypatch):
     ext = recording_extension
     weight, down = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)

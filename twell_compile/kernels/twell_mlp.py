@@ -133,6 +133,16 @@ class KernelConfig:
     mainloop is long beside its epilogue and the cooperative tiles pay (H200, 2B shape: 4.0-4.1 against
     4.4-4.5 ms), the more so staged (H100, 2026-11-25: 462-467 against 477 us at M = 16384, 120-123
     against 125-126 us at 4096, with the epilogue in the consumers)."""
+    partly_dense_tile_m: int = int(os.environ.get("TWELL_PARTLY_DENSE_TILE_M", "128"))
+    """The dense path's two GEMM schedules (``gemm_tile_m`` and ``down_gemm_tile_m``) on the calls that
+    routing by density watches (below the chunked kernel's sizes, with ``route_by_density`` on). There a
+    layer whose calls go dense beyond a small share runs through cuBLAS, so the dense path serves calls
+    with a minority of dense blocks, and a 256-row tile runs half idle wherever a dense block shares it
+    with a sparse one. With 128-row ping-pong tiles, whole calls at 4096-16384 rows were 6-7% faster with
+    an eighth of the blocks dense and 10-12% with a quarter, 11-16% slower with every block dense, and
+    the same bits (H100, CUDA graphs, 2026-11-27, examples/probe_dense_tile_m.py). 0 keeps
+    ``gemm_tile_m`` and ``down_gemm_tile_m`` there too, as do calls with routing off (the kernel tests'
+    and profiling scripts' setting), chunked calls and decode-sized ones (split-K GEMVs)."""
     gemm_k_splits: int = int(os.environ.get("TWELL_GEMM_K_SPLITS", "0"))
     """K ranges per output tile of the wgmma GEMMs. 0: chosen per GEMM (choose_k_split in
     csrc/twell_entries.h): where the 128 x 128 tiles are fewer than the SMs and K is long (the 2B
@@ -477,6 +487,13 @@ def _route_class(m: int, launch: SparseLaunch, chunked: bool) -> str | None:
     return None if size_class == "chunked" else size_class
 
 
+def _dense_path_tiles(route_class: str | None) -> tuple[int, int]:
+    """The dense path's GEMM schedules, gate times up and down (``config.partly_dense_tile_m``)."""
+    if route_class is not None and config.route_by_density and config.partly_dense_tile_m:
+        return config.partly_dense_tile_m, config.partly_dense_tile_m
+    return config.gemm_tile_m, config.down_gemm_tile_m
+
+
 def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     """What the one-call path (``mlp_forward``, csrc/twell_mlp_forward.cpp) does for this shape, given
     operands with contiguous 16-byte aligned rows (it checks that per call and declines otherwise):
@@ -497,15 +514,15 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     cuda.gemv_cluster = config.decode_gemv_cluster
     cuda.ctas, cuda.gemm_cluster = sms, config.gemm_cluster
     cuda.gate_gemm_tile_m = config.gate_gemm_tile_m
-    cuda.gemm_tile_m, cuda.down_gemm_tile_m = config.gemm_tile_m, config.down_gemm_tile_m
+    route_class = _route_class(m, launch, chunked)
+    cuda.gemm_tile_m, cuda.down_gemm_tile_m = _dense_path_tiles(route_class)
     cuda.gemm_k_splits = config.gemm_k_splits
     cuda.sparse_splits, cuda.sparse_threads, cuda.sparse_cluster = launch.splits, launch.threads, launch.cluster
     cuda.chunked = chunked
     cuda.thr_full, cuda.thr_last, cuda.thr_heavy = kernel_thresholds
     cuda.poison, cuda.poison_word, cuda.poison_count = config.poison_buffers, _POISON_WORD, _POISON_COUNT
     # A chunked call returns the chunked kernel's decision per block (1: dense) instead of block_nnz.
-    return CallPlan(CHUNKED_DECISION_THRESHOLDS if chunked else thresholds, plan, cuda,
-                    route_class=_route_class(m, launch, chunked))
+    return CallPlan(CHUNKED_DECISION_THRESHOLDS if chunked else thresholds, plan, cuda, route_class=route_class)
 
 
 def _chunked(m: int, f: int, d: int, launch: SparseLaunch) -> bool:
@@ -675,12 +692,13 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
     operands = (x2, down_weight, dense, out, *((up_weight,) if gated else ()))
     if cuda_gate and _tma_ok(*operands):
         decode = _decode_dense(m)
+        gemm_tile_m, down_gemm_tile_m = _dense_path_tiles(_route_class(m, launch, False))
         if gated and decode:
             ext.decode_dense_gemv(x2, up_weight, up_bias, dense, block_nnz, packed, counts, *thresholds,
                                   config.decode_gemv_cluster)
         elif gated:
             ext.dense_block_gemm(x2, up_weight, up_bias, dense, block_nnz, packed, counts, *thresholds, sms,
-                                 config.gemm_cluster, config.gemm_tile_m, config.gemm_k_splits)
+                                 config.gemm_cluster, gemm_tile_m, config.gemm_k_splits)
         else:
             ext.rebuild_dense_gate(packed, counts, dense, block_nnz, *thresholds)
         if decode:
@@ -688,7 +706,7 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
                                   config.decode_gemv_cluster)
         else:
             ext.dense_block_gemm(dense, down_weight, down_bias, out, block_nnz, None, None, *thresholds, sms,
-                                 config.gemm_cluster, config.down_gemm_tile_m, config.gemm_k_splits)
+                                 config.gemm_cluster, down_gemm_tile_m, config.gemm_k_splits)
     else:
         _triton_dense_path(plan, gated, x2, up_weight, up_bias, down_weight, down_bias, packed, counts, dense,
                            block_nnz, out, thresholds)
