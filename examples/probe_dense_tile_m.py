@@ -24,6 +24,8 @@ def main() -> None:
     parser.add_argument("--nnz", type=float, default=24)
     parser.add_argument("--shares", type=float, nargs="+", default=[0.125, 1])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--placement", choices=["even", "random"], default="even",
+                        help="dense blocks spread evenly (close to the GEMMs' worst case) or at random")
     args = parser.parse_args()
     config = twell_mlp.config
     saved = (config.route_by_density, config.gemm_tile_m, config.down_gemm_tile_m)
@@ -32,7 +34,7 @@ def main() -> None:
     try:
         for m in args.m:
             for share in args.shares:
-                p = make_problem(m, 2048, 5632, nnz_per_row=args.nnz, dense_block_share=share)
+                p = make_problem(m, 2048, 5632, nnz_per_row=args.nnz, dense_block_share=share, dense_block_placement=args.placement)
                 args_ = p.gated_args()
                 times, outs = {}, {}
                 for tile_m in (256, 128):
@@ -45,7 +47,7 @@ def main() -> None:
     finally:
         config.route_by_density, config.gemm_tile_m, config.down_gemm_tile_m = saved
     print(f"\nGPU: {torch.cuda.get_device_name()}  2B shape, bf16, {args.nnz:.0f} active units per row in sparse blocks, "
-          "80 in dense ones; TwELL path, CUDA-graph replays, median us")
+          f"80 in dense ones ({args.placement}); TwELL path, CUDA-graph replays, median us")
     print(f"{'M':>6} {'share':>6} {'m256':>9} {'m128':>9} {'m128/m256':>10} bits")
     for m, share, t, same in rows:
         print(f"{m:>6} {share:>6.3f} {t[256] * 1e3:>9.1f} {t[128] * 1e3:>9.1f} {t[128] / t[256]:>10.2f} {'same' if same else 'differ'}")

@@ -27,7 +27,8 @@ def main() -> None:
     parser.add_argument("--non-gated", action="store_true")
     parser.add_argument("--dense-path", action="store_true", help="every block forced onto the dense path")
     parser.add_argument("--dense-block-share", type=float, default=0.0,
-                        help="this share of the 128-row blocks at 80 active units per row (dense), spread evenly")
+                        help="this share of the 128-row blocks at 80 active units per row (dense)")
+    parser.add_argument("--dense-block-placement", choices=["even", "random"], default="even")
     parser.add_argument("--k-splits", type=int, default=None, help="the wgmma GEMMs' K ranges per tile (0: automatic)")
     parser.add_argument("--chunked-rows", type=int, default=None,
                         help="run the chunked sparse kernel for calls of at least this many rows (0: never)")
@@ -52,7 +53,7 @@ def main() -> None:
         twell_mlp.config.chunked_sparse_rows = args.chunked_rows
     p = make_problem(args.m, args.hidden, args.intermediate, nnz_per_row=args.nnz, skew=args.skew,
                      gated=not args.non_gated, bias=args.bias, dtype=getattr(torch, args.dtype),
-                     dense_block_share=args.dense_block_share)
+                     dense_block_share=args.dense_block_share, dense_block_placement=args.dense_block_placement)
 
     scratch = torch.empty(1 << 28, dtype=torch.uint8, device="cuda") if args.flush_l2 else None
     heat = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) if args.heat else None
@@ -79,7 +80,7 @@ def main() -> None:
             call()
         torch.cuda.synchronize()
     print(f"GPU: {torch.cuda.get_device_name()}  M={args.m} nnz={args.nnz} skew={args.skew} dtype={args.dtype} "
-          f"dense_path={args.dense_path} dense_block_share={args.dense_block_share} k_splits={args.k_splits} chunked_rows={args.chunked_rows} "
+          f"dense_path={args.dense_path} dense_block_share={args.dense_block_share} ({args.dense_block_placement}) k_splits={args.k_splits} chunked_rows={args.chunked_rows} "
           f"flush_l2={args.flush_l2} heat={args.heat} bias={args.bias}  (5 calls)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     # The same per kernel, under short names (the templates' epilogue tells the wgmma GEMMs apart).

@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--dense-nnz", type=float, default=80)
     parser.add_argument("--shares", type=float, nargs="+", default=[0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 1])
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--placement", choices=["even", "random"], default="even",
+                        help="dense blocks spread evenly (close to the dense-path GEMMs' worst case) or at random")
     args = parser.parse_args()
     saved = (twell_mlp.config.route_by_density, twell_mlp.config.cublas_rows)
     rows = []
@@ -53,7 +55,8 @@ def main() -> None:
         for m in args.m:
             for nnz in args.nnz:
                 for share in args.shares:
-                    p = make_problem(m, 2048, 5632, nnz_per_row=nnz, dense_block_share=share, dense_block_nnz=args.dense_nnz)
+                    p = make_problem(m, 2048, 5632, nnz_per_row=nnz, dense_block_share=share, dense_block_nnz=args.dense_nnz,
+                                     dense_block_placement=args.placement)
                     x, wg, wu, wd = p.x, p.gate_weight, p.up_weight, p.down_weight
                     set_route("twell")
                     seen = dense_blocks_share(x, wg, m)
@@ -72,7 +75,7 @@ def main() -> None:
     finally:
         twell_mlp.config.route_by_density, twell_mlp.config.cublas_rows = saved
 
-    print(f"\nGPU: {torch.cuda.get_device_name()}  K=2048 N=5632 bf16, dense blocks at {args.dense_nnz:.0f} "
+    print(f"\nGPU: {torch.cuda.get_device_name()}  K=2048 N=5632 bf16, dense blocks ({args.placement}) at {args.dense_nnz:.0f} "
           "active units per row, CUDA-graph replays, median us; /cublas > 1: slower than the cuBLAS MLP; routed: the "
           "op's default, routing by observed density, once settled")
     print(f"{'M':>6} {'nnz':>4} {'share':>6} {'seen':>6} {'twell':>9} {'cublas':>9} {'routed':>9} "

@@ -47,3 +47,14 @@ def test_make_problem_puts_its_dense_blocks_where_asked():
     dense = (per_block > 50).nonzero().flatten().tolist()
     assert dense == [0, 4]
     assert per_block[dense].min() > 150 and per_block.max() < 250 and per_block[[1, 2, 3, 5, 6, 7]].max() < 16
+
+
+def test_make_problem_can_draw_its_dense_blocks_at_random():
+    kwargs = dict(nnz_per_row=8.0, dense_block_share=0.25, dense_block_nnz=200.0, dtype=torch.float64, device="cpu")
+    problem = make_problem(2048, 256, 1024, dense_block_placement="random", generator=torch.Generator().manual_seed(3),
+                           **kwargs)
+    per_block = stats.active_units(problem.x @ problem.gate_weight.t()).view(16, 128, -1).sum(-1).double().mean(1)
+    dense = (per_block > 50).nonzero().flatten().tolist()
+    assert len(dense) == 4 and dense != [0, 4, 8, 12]
+    with pytest.raises(ValueError, match="dense_block_placement"):
+        make_problem(256, 64, 96, dense_block_placement="spread", **kwargs)

@@ -41,16 +41,19 @@ def make_problem(
     m: int, hidden: int, intermediate: int, out_features: int | None = None, *,
     nnz_per_row: float = 24.0, gated: bool = True, bias: bool = False, skew: bool = False,
     dense_rows: tuple[int, ...] = (), dense_block_share: float = 0.0, dense_block_nnz: float = 80.0,
-    dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda", generator: torch.Generator | None = None,
+    dense_block_placement: str = "even", dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+    generator: torch.Generator | None = None,
 ) -> MlpProblem:
     """Random MLP inputs whose ReLU activation has about ``nnz_per_row`` active units per token.
 
     ``skew``: per-token and per-unit variation (a random shift per token, 2% heavy units, 0.5% heavy
     tokens with hundreds to thousands of active units), so some tiles overflow any fixed capacity.
     ``dense_rows``: tokens with every unit active.
-    ``dense_block_share``: that share of the 128-row blocks (the kernels' decision blocks), spread evenly
-    over the rows, has ``dense_block_nnz`` active units per row instead (80 is past every dense-block
-    threshold at the 2B shape).
+    ``dense_block_share``: that share of the 128-row blocks (the kernels' decision blocks) has
+    ``dense_block_nnz`` active units per row instead (80 is past every dense-block threshold at the 2B
+    shape), spread evenly over the rows (``dense_block_placement="even"``) or drawn at random
+    (``"random"``; even spacing is close to the worst case for the dense-path GEMMs' persistent walk,
+    examples/simulate_dense_walk.py).
     The activated projection is the gate (gated) or the up projection (non-gated).
     """
     if hidden < 2:
@@ -71,7 +74,14 @@ def make_problem(
         unit_shift[heavy_units] -= 1.0
     blocks = -(-m // 128)
     n_dense = round(dense_block_share * blocks)
-    for b in sorted({i * blocks // n_dense for i in range(n_dense)}) if n_dense else ():
+    if dense_block_placement == "even":
+        dense_blocks = sorted({i * blocks // n_dense for i in range(n_dense)}) if n_dense else []
+    elif dense_block_placement == "random":
+        order = torch.randperm(blocks, generator=g, device=g.device if g is not None else "cpu")
+        dense_blocks = sorted(order[:n_dense].tolist())
+    else:
+        raise ValueError(f"dense_block_placement is 'even' or 'random', not {dense_block_placement!r}")
+    for b in dense_blocks:
         row_shift[b * 128:(b + 1) * 128] = _normal_quantile(min(max(dense_block_nnz / intermediate, 1e-6), 0.999))
     for r in dense_rows:
         if r < m:
