@@ -80,7 +80,8 @@ def main() -> None:
             call()
         torch.cuda.synchronize()
     print(f"GPU: {torch.cuda.get_device_name()}  M={args.m} nnz={args.nnz} skew={args.skew} dtype={args.dtype} "
-          f"dense_path={args.dense_path} dense_block_share={args.dense_block_share} ({args.dense_block_placement}) k_splits={args.k_splits} chunked_rows={args.chunked_rows} "
+          f"dense_path={args.dense_path} dense_block_share={args.dense_block_share} ({args.dense_block_placement}) "
+          f"k_splits={args.k_splits} chunked_rows={args.chunked_rows} "
           f"flush_l2={args.flush_l2} heat={args.heat} bias={args.bias}  (5 calls)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     # The same per kernel, under short names (the templates' epilogue tells the wgmma GEMMs apart).

@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--shares", type=float, nargs="+", default=[0.125, 0.25])
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    print(f"{'M':>6} {'share':>6} {'tile_m':>6} {'dense tiles':>11} {'even: max/mean':>15} {'random: max/mean':>17}")
+    print(f"{'M':>6} {'share':>6} {'tile_m':>6} {'dense tiles (even)':>11} {'even: max/mean':>15} {'random: max/mean':>17}")
     for m in args.m:
         blocks = m // 128
         for share in args.shares:
@@ -52,13 +52,13 @@ def main() -> None:
             even = {i * blocks // n for i in range(n)}
             scattered = set(random.Random(args.seed).sample(range(blocks), n))
             for tile_m in (128, 256):
-                cells = []
+                cells, totals = [], []
                 for dense in (even, scattered):
                     per_pair = dense_tiles_per_pair(m, tile_m, dense)
                     mean = sum(per_pair) / len(per_pair)
                     cells.append(f"{max(per_pair)}/{mean:.2f} = {max(per_pair) / mean:.2f}")
-                total = sum(dense_tiles_per_pair(m, tile_m, even))
-                print(f"{m:>6} {share:>6.3f} {tile_m:>6} {total:>11} {cells[0]:>15} {cells[1]:>17}")
+                    totals.append(sum(per_pair))
+                print(f"{m:>6} {share:>6.3f} {tile_m:>6} {totals[0]:>11} {cells[0]:>15} {cells[1]:>17}")
 
 
 if __name__ == "__main__":

@@ -28,13 +28,15 @@ from twell_compile import stats
 def dense_blocks_share(x, wg, m: int) -> float:
     """The share of blocks the TwELL path sends dense, by the router's test on the dense activation."""
     plan = twell_mlp.call_plan(m, wg.shape[0], x.shape[1], x.device)
-    active = stats.active_units(torch.relu(x @ wg.t()))
+    active = stats.active_units(x @ wg.t())
     dense = twell_mlp._activation_dense_blocks(active, plan.thresholds, plan.gate.cap, plan.gate.tile_n)
     return int(dense) / -(-m // DECISION_ROWS)
 
 
 def set_route(name: str) -> None:
-    """``twell``: the TwELL path; ``cublas``: the cuBLAS MLP; ``routed``: routing by observed density."""
+    """``twell``: the TwELL path (routing off, so its dense path runs ``config.gemm_tile_m`` and
+    ``down_gemm_tile_m``, 256 rows; the routed op's TwELL calls run ``config.partly_dense_tile_m``, 128);
+    ``cublas``: the cuBLAS MLP; ``routed``: routing by observed density, the op's default."""
     twell_mlp.config.route_by_density = name == "routed"
     twell_mlp.config.cublas_rows = (1, 10**9) if name == "cublas" else (1, 0)
 

@@ -1,8 +1,9 @@
 """Routing by observed density on the GPU (``pytest -m cuda``; the logic is in test_density_route.py):
 a layer whose calls keep sending blocks to the dense path moves to the cuBLAS route within a few calls
 (at 1024 rows one dense block in eight is enough; at 16384 rows two in 128 are not), the host reading
-the reports from pinned memory without waiting; it comes back when its activation turns sparse; a dense layer is captured on cuBLAS in a CUDA graph, also under
-mode="reduce-overhead"; results match eager on either route.
+the reports from pinned memory without waiting; it comes back when its activation turns sparse; a
+dense layer is captured on cuBLAS in a CUDA graph, also under mode="reduce-overhead"; results match
+eager on either route.
 """
 
 from __future__ import annotations

@@ -37,6 +37,14 @@ def _normal_quantile(p: float) -> float:
     return math.sqrt(2.0) * torch.special.erfinv(torch.tensor(1.0 - 2.0 * p, dtype=torch.float64)).item()
 
 
+_DECISION_ROWS = 128  # the kernels' dense-or-sparse blocks (twell_compile.kernels.triton_kernels.DECISION_ROWS)
+
+
+def _density_shift(nnz_per_row: float, intermediate: int) -> float:
+    """The row shift (x[:, 0]) that leaves about ``nnz_per_row`` of ``intermediate`` units active."""
+    return _normal_quantile(min(max(nnz_per_row / intermediate, 1e-6), 0.999))
+
+
 def make_problem(
     m: int, hidden: int, intermediate: int, out_features: int | None = None, *,
     nnz_per_row: float = 24.0, gated: bool = True, bias: bool = False, skew: bool = False,
@@ -63,8 +71,7 @@ def make_problem(
     # Work in float64 on the CPU, float32 on a GPU (fast enough for 131072-token problems).
     work_dtype = torch.float64 if torch.device(device).type == "cpu" else torch.float32
     f64 = dict(dtype=work_dtype, device=device)
-    p = min(max(nnz_per_row / intermediate, 1e-6), 0.999)
-    row_shift = torch.full((m,), _normal_quantile(p), **f64)
+    row_shift = torch.full((m,), _density_shift(nnz_per_row, intermediate), **f64)
     unit_shift = torch.zeros(intermediate, **f64)
     if skew:
         row_shift = row_shift + 0.3 * torch.randn(m, generator=g, **f64)
@@ -72,7 +79,7 @@ def make_problem(
         row_shift[heavy_rows] -= 2.0
         heavy_units = torch.rand(intermediate, generator=g, **f64) < 0.02
         unit_shift[heavy_units] -= 1.0
-    blocks = -(-m // 128)
+    blocks = -(-m // _DECISION_ROWS)
     n_dense = round(dense_block_share * blocks)
     if dense_block_placement == "even":
         dense_blocks = sorted({i * blocks // n_dense for i in range(n_dense)}) if n_dense else []
@@ -82,7 +89,7 @@ def make_problem(
     else:
         raise ValueError(f"dense_block_placement is 'even' or 'random', not {dense_block_placement!r}")
     for b in dense_blocks:
-        row_shift[b * 128:(b + 1) * 128] = _normal_quantile(min(max(dense_block_nnz / intermediate, 1e-6), 0.999))
+        row_shift[b * _DECISION_ROWS:(b + 1) * _DECISION_ROWS] = _density_shift(dense_block_nnz, intermediate)
     for r in dense_rows:
         if r < m:
             row_shift[r] = -12.0
