@@ -93,6 +93,9 @@ static_assert(kBlockM == kGemmTile && kBlockN == kGemmTile && kBlockK == kGemmSl
 constexpr int kRingBytes = 192 * 1024;
 constexpr int kMaxStages = 6;
 constexpr int kBitmapBlocks = 65536;  // dense-block bitmap: 8 KB of shared memory
+// Dense-path GEMMs of at most this many blocks (1M rows) walk only their dense row tiles: every thread
+// counts them at the start and finds each unit's row tile by scanning the bitmap, at most 256 words.
+constexpr int kCompactWalkBlocks = 8192;
 constexpr int kBarrierBytes = (2 * kMaxStages + 4) * 8;
 
 enum class Epilogue { kTwellPack, kGateTimesUp, kStore };
@@ -145,13 +148,43 @@ __device__ __forceinline__ void tile_coords(int tile, int n_tiles_m, int n_tiles
   pn = r / rows_in_group;
 }
 
+// Which row tiles of the dense-path GEMMs hold a dense block: bit t of tile word w is row tile 32 w + t,
+// made from the CTA's dense-block bitmap (`block_words` words; kBlocksPerTile blocks per tile).
+template <int kBlocksPerTile>
+__device__ __forceinline__ uint32_t dense_tile_word(const uint32_t* bits, int block_words, int w) {
+  static_assert(kBlocksPerTile == 1 || kBlocksPerTile == 2, "128- or 256-row tiles");
+  if constexpr (kBlocksPerTile == 1) {
+    return bits[w];
+  } else {
+    // Tile t holds blocks 2t and 2t + 1: OR each pair of bits, then gather the even bits.
+    uint32_t halves[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t x = 2 * w + h < block_words ? bits[2 * w + h] : 0u;
+      x = (x | (x >> 1)) & 0x55555555u;
+      x = (x | (x >> 1)) & 0x33333333u;
+      x = (x | (x >> 2)) & 0x0f0f0f0fu;
+      x = (x | (x >> 4)) & 0x00ff00ffu;
+      halves[h] = (x | (x >> 8)) & 0x0000ffffu;
+    }
+    return halves[0] | (halves[1] << 16);
+  }
+}
+
 // The work a persistent CTA does: units strided over the grid in grouped order. With 2-CTA clusters a
 // unit is a pair of horizontally adjacent tiles, one per CTA of the cluster (rank 0 the left). With K
 // split in `splits` ranges of `split_steps` K-slices (the last maybe shorter), a unit is one range of
 // one tile (pair); the ranges of a tile are adjacent units.
+// The dense-path GEMMs walk only the row tiles that hold a dense block (compact_to_dense_tiles), so the
+// CTAs share those tiles evenly. Walking every tile and skipping the sparse ones left the busiest CTA
+// pair with about twice the mean of the dense tiles where dense blocks recur regularly (every 8th block:
+// with 8-tile groups and a stride of 66 pairs, half the pairs got none), 1.2-2.3x with random ones
+// (simulated for 4096-16384 rows at the 2B shape).
 template <int kCluster>
 struct TileWalk {
   int first, stride, n_tiles_m, n_tiles_n, group_m, rank, splits, split_steps, k_steps;
+  const uint32_t* dense_bits = nullptr;  // compacted walk: the dense-block bitmap (else every row tile)
+  int block_words = 0, tile_words = 0;
   __device__ __forceinline__ TileWalk(int n_tiles_m_, int n_tiles_n_, int group_m_, int splits_, int split_steps_,
                                       int k_steps_)
       : first(static_cast<int>(blockIdx.x) / kCluster),
@@ -163,13 +196,37 @@ struct TileWalk {
         splits(splits_),
         split_steps(split_steps_),
         k_steps(k_steps_) {}
+  // From here on the walk's row tiles are the dense ones, in order (n_tiles_m becomes their count). Every
+  // thread of the CTA (and of its cluster: the bitmaps are the same) computes the same walk.
+  template <int kBlocksPerTile>
+  __device__ __forceinline__ void compact_to_dense_tiles(const uint32_t* bits, int n_blocks) {
+    dense_bits = bits;
+    block_words = (n_blocks + 31) / 32;
+    tile_words = (block_words + kBlocksPerTile - 1) / kBlocksPerTile;
+    int dense_tiles = 0;
+    for (int w = 0; w < tile_words; ++w) dense_tiles += __popc(dense_tile_word<kBlocksPerTile>(bits, block_words, w));
+    n_tiles_m = dense_tiles;
+  }
   __device__ __forceinline__ int units_n() const { return (n_tiles_n + kCluster - 1) / kCluster; }
   __device__ __forceinline__ int n_units() const { return n_tiles_m * units_n() * splits; }
+  template <int kBlocksPerTile = 1>
   __device__ __forceinline__ void coords(int unit, int& pm, int& pn, int& split) const {
     int spn;
     split = unit % splits;
     tile_coords(unit / splits, n_tiles_m, units_n(), group_m, pm, spn);
     pn = spn * kCluster + rank;
+    if (dense_bits != nullptr) pm = dense_tile<kBlocksPerTile>(pm);
+  }
+  // The row tile of the dense ones' rank-th (0-based).
+  template <int kBlocksPerTile>
+  __device__ __forceinline__ int dense_tile(int rank_) const {
+    for (int w = 0; w < tile_words; ++w) {
+      const uint32_t word = dense_tile_word<kBlocksPerTile>(dense_bits, block_words, w);
+      const int count = __popc(word);
+      if (rank_ < count) return 32 * w + static_cast<int>(__fns(word, 0u, rank_ + 1));
+      rank_ -= count;
+    }
+    return 0;  // not reached: rank_ < n_tiles_m
   }
   // The unit's K-slices: [first_step, first_step + steps).
   __device__ __forceinline__ int first_step(int split) const { return split * split_steps; }
@@ -555,7 +612,7 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
   uint32_t it = 0;
   for (int unit = walk.first; unit < walk.n_units(); unit += walk.stride) {
     int pm, pn, split;
-    walk.coords(unit, pm, pn, split);
+    walk.template coords<S::kBlocksPerTile>(unit, pm, pn, split);
     if (kMode != Epilogue::kTwellPack && !filter.any_dense<S::kBlocksPerTile>(pm)) continue;
     const int k_end = walk.first_step(split) + walk.steps(split);
     for (int ks = walk.first_step(split); ks < k_end; ++ks, ++it) {
@@ -849,7 +906,7 @@ __device__ __forceinline__ void write_staged(const EpilogueArgs& args, const Sme
   uint32_t j = 0;  // the kept tile's index in this CTA's walk, as the consumers count it
   for (int unit = walk.first; unit < walk.n_units(); unit += walk.stride) {
     int pm, pn, split;
-    walk.coords(unit, pm, pn, split);
+    walk.template coords<S::kBlocksPerTile>(unit, pm, pn, split);
     if (!filter.any_dense<S::kBlocksPerTile>(pm)) continue;
     const int cols_left = args.N - pn * kBlockN;
     bool computed[2];  // the consumers' halves with MMAs (stage_tile's `write`)
@@ -928,7 +985,7 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
   uint32_t ring = 0;
   for (int unit = walk.first; unit < walk.n_units(); unit += walk.stride) {
     int pm, pn, split;
-    walk.coords(unit, pm, pn, split);
+    walk.template coords<S::kBlocksPerTile>(unit, pm, pn, split);
     if (kMode != Epilogue::kTwellPack && !filter.any_dense<S::kBlocksPerTile>(pm)) continue;
     const int j = kept++;
     const int k_steps = walk.steps(split);
@@ -1053,7 +1110,11 @@ __global__ void __launch_bounds__(Schedule<kMode, kTileM>::kThreads, 1) twell_ge
   BlockFilter filter;
   if (!setup<kMode, kCluster, kTileM>(smem_raw, args, sm, filter)) return;
   const int k_steps = (K + kBlockK - 1) / kBlockK;
-  const TileWalk<kCluster> walk(n_tiles_m, n_tiles_n, group_m, args.k_splits, args.split_steps, k_steps);
+  TileWalk<kCluster> walk(n_tiles_m, n_tiles_n, group_m, args.k_splits, args.split_steps, k_steps);
+  if constexpr (kMode != Epilogue::kTwellPack) {
+    if (filter.bits != nullptr && args.dense_test.n_blocks <= kCompactWalkBlocks)
+      walk.template compact_to_dense_tiles<Schedule<kMode, kTileM>::kBlocksPerTile>(filter.bits, args.dense_test.n_blocks);
+  }
   if (threadIdx.x < 128) {
     produce<kMode, kCluster, kTileM>(&a_map, &b_map, sm, filter, args.M, walk);
   } else if (threadIdx.x < 3 * 128) {

@@ -5,7 +5,7 @@ on calls whose 128-row blocks are partly dense.
 reaches a threshold. This times, in one run and under CUDA graphs, the TwELL path (routing off) and the
 cuBLAS MLP on activations where a chosen share of the blocks is dense (their rows at ``--dense-nnz``
 active units, above every dense-block threshold) and the rest sparse (``--nnz``), so the crossover
-share can be read per row count. The dense blocks are spread evenly over the call. The share printed is
+share can be read per row count. The dense blocks are spread evenly over the call (or at random). The share printed is
 the one the router would see (the kernels' own block test, run on the dense activation). ``routed`` is the
 op's default, routing by observed density (``density_route.ENTER_SHARES``), timed once settled.
 
@@ -35,8 +35,8 @@ def dense_blocks_share(x, wg, m: int) -> float:
 
 def set_route(name: str) -> None:
     """``twell``: the TwELL path (routing off, so its dense path runs ``config.gemm_tile_m`` and
-    ``down_gemm_tile_m``, 256 rows; the routed op's TwELL calls run ``config.partly_dense_tile_m``, 128);
-    ``cublas``: the cuBLAS MLP; ``routed``: routing by observed density, the op's default."""
+    ``down_gemm_tile_m``, which main() sets to ``--twell-tile-m``); ``cublas``: the cuBLAS MLP; ``routed``:
+    routing by observed density, the op's default (its TwELL calls run ``config.partly_dense_tile_m``)."""
     twell_mlp.config.route_by_density = name == "routed"
     twell_mlp.config.cublas_rows = (1, 10**9) if name == "cublas" else (1, 0)
 
@@ -50,8 +50,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--placement", choices=["even", "random"], default="even",
                         help="dense blocks spread evenly (close to the dense-path GEMMs' worst case) or at random")
+    parser.add_argument("--twell-tile-m", type=int, choices=[128, 256], default=twell_mlp.config.partly_dense_tile_m,
+                        help="the twell column's dense-path tiles (default: the routed op's, partly_dense_tile_m)")
     args = parser.parse_args()
-    saved = (twell_mlp.config.route_by_density, twell_mlp.config.cublas_rows)
+    config = twell_mlp.config
+    saved = (config.route_by_density, config.cublas_rows, config.gemm_tile_m, config.down_gemm_tile_m)
+    config.gemm_tile_m = config.down_gemm_tile_m = args.twell_tile_m
     rows = []
     try:
         for m in args.m:
@@ -75,10 +79,10 @@ def main() -> None:
                     rows.append((m, nnz, share, seen, times))
                     print(m, nnz, share, f"seen {seen:.3f}", {k: round(v * 1e3, 1) for k, v in times.items()}, flush=True)
     finally:
-        twell_mlp.config.route_by_density, twell_mlp.config.cublas_rows = saved
+        config.route_by_density, config.cublas_rows, config.gemm_tile_m, config.down_gemm_tile_m = saved
 
     print(f"\nGPU: {torch.cuda.get_device_name()}  K=2048 N=5632 bf16, dense blocks ({args.placement}) at {args.dense_nnz:.0f} "
-          "active units per row, CUDA-graph replays, median us; /cublas > 1: slower than the cuBLAS MLP; routed: the "
+          f"active units per row, twell's dense path on {args.twell_tile_m}-row tiles, CUDA-graph replays, median us; /cublas > 1: slower than the cuBLAS MLP; routed: the "
           "op's default, routing by observed density, once settled")
     print(f"{'M':>6} {'nnz':>4} {'share':>6} {'seen':>6} {'twell':>9} {'cublas':>9} {'routed':>9} "
           f"{'twell/cublas':>13} {'routed/cublas':>14}")

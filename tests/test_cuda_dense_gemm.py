@@ -110,3 +110,33 @@ def test_dense_path_gemms_write_eager_products_bitwise(dtype, schedule):
     out64 = h_finite.double() @ problem.down_weight.double().t() + problem.down_bias.double()
     err = (out[rows_dense].double() - out64[rows_dense]).norm() / out64[rows_dense].norm()
     assert err < 4e-3, err
+
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("ctas", [3, None], ids=["ctas3", "ctas-all"])
+def test_dense_path_gemms_walk_every_scattered_dense_tile_once(schedule, ctas):
+    """The dense-path GEMMs walk only the row tiles holding a dense block, found in a bitmap of several
+    32-block words: dense blocks scattered over three words (alone or as a pair in a 256-row tile), the
+    last block 96 rows long. Each dense row gets the all-dense result's bits, the others keep their poison."""
+    from twell_compile.kernels import build
+
+    m = 93 * 128 + 96  # 94 blocks: bitmap words 0-2, the last one partly used
+    dense_blocks = (0, 1, 5, 31, 32, 40, 41, 63, 64, 77, 93)
+    problem = make_problem(m, 64, 136, nnz_per_row=8.0, bias=True)  # the store epilogue on x @ up.T
+    rows_dense = torch.zeros(m, dtype=torch.bool, device="cuda")
+    for blk in dense_blocks:
+        rows_dense[blk * 128:(blk + 1) * 128] = True
+    poison = torch.full((m, 136), float("nan"), dtype=problem.x.dtype, device="cuda")
+    everything = _dense_block_gemm(problem.x, problem.up_weight, problem.up_bias, poison.clone(),
+                                   _block_nnz(m, range(94)), "pingpong")
+    cluster, tile_m, _ = SCHEDULES[schedule]
+    if ctas is None:
+        ctas = torch.cuda.get_device_properties(0).multi_processor_count
+    out = poison.clone()
+    build.cuda_extension().dense_block_gemm(problem.x, problem.up_weight, problem.up_bias, out,
+                                            _block_nnz(m, dense_blocks), None, None, 0, 0, INT32_MAX,
+                                            ctas - ctas % cluster, cluster, tile_m, 1)
+    _assert_same_bits(out[rows_dense], everything[rows_dense], f"store, {schedule}")
+    assert out[~rows_dense].isnan().all()

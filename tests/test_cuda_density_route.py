@@ -1,6 +1,6 @@
 """Routing by observed density on the GPU (``pytest -m cuda``; the logic is in test_density_route.py):
 a layer whose calls keep sending blocks to the dense path moves to the cuBLAS route within a few calls
-(at 1024 rows one dense block in eight is enough; at 16384 rows two in 128 are not), the host reading
+(at 1024 rows one dense block in eight is enough; at 16384 rows half of them are not), the host reading
 the reports from pinned memory without waiting; it comes back when its activation turns sparse; a
 dense layer is captured on cuBLAS in a CUDA graph, also under mode="reduce-overhead"; results match
 eager on either route.
@@ -55,11 +55,14 @@ def test_a_dense_layer_moves_to_cublas_and_back_when_it_turns_sparse(m, gated):
 
 
 @requires_twell_kernels
-@pytest.mark.parametrize(("m", "dense_blocks", "path"), [(1024, 1, "cublas"), (16384, 2, "twell")],
-                         ids=["m1024-one-of-8-dense", "m16384-two-of-128-dense"])
+@pytest.mark.parametrize(("m", "dense_blocks", "path"),
+                         [(1024, 1, "cublas"), (4096, 8, "twell"), (8192, 48, "cublas"), (16384, 64, "twell")],
+                         ids=["m1024-one-of-8-dense", "m4096-8-of-32-dense", "m8192-48-of-64-dense",
+                              "m16384-64-of-128-dense"])
 def test_a_partly_dense_layer_goes_where_its_row_count_pays(m, dense_blocks, path):
     """One dense block costs the TwELL path about what all of them do, which loses to cuBLAS at 1024
-    rows; at 16384 rows a few dense blocks among many sparse ones still pay (density_route.ENTER_SHARES)."""
+    rows; from 4096 rows the dense path walks only the dense tiles, and a quarter (4096 rows) to a half
+    (16384) of the blocks dense still pays; three quarters at 8192 do not (density_route.ENTER_SHARES)."""
     problem = make_problem(m, 2048, 5632, nnz_per_row=24.0, bias=True, dense_block_share=dense_blocks / (m // 128))
     paths = [_path_of_call(problem, True) for _ in range(4)]
     assert paths[0] == "twell" and paths[-1] == path, paths

@@ -24,9 +24,9 @@ def test_the_entering_share_grows_with_the_row_count():
     enter = density_route.enter_share
     assert enter(513, "small") == enter(1024, "small") == 0.05
     assert enter(2048, "small") == pytest.approx(0.06)
-    assert enter(2896, "small") == pytest.approx(0.08, abs=1e-3)  # halfway in log2 between 2048 and 4096
-    assert enter(8192, "large") == pytest.approx(0.15)
-    assert enter(16384, "large") == enter(32767, "large") == 0.25
+    assert enter(2896, "small") == pytest.approx(0.18, abs=1e-3)  # halfway in log2 between 2048 and 4096
+    assert enter(8192, "large") == pytest.approx(0.55)
+    assert enter(16384, "large") == enter(32767, "large") == 0.75
     assert enter(16, "decode") == enter(128, "decode") == 0.5  # one block: the share of dense calls
     shares = [enter(m, "small") for m in range(513, 32768, 97)]
     assert shares == sorted(shares)
@@ -47,10 +47,12 @@ def test_a_large_call_needs_a_larger_share_than_a_small_one():
     small_calls, large_calls = DensityRouter(), DensityRouter()
     weight = torch.randn(8, 4)
     for router in (small_calls, large_calls):
-        _report(router, weight, "large", 2, blocks=16)  # 1/8
-    assert small_calls.decide(weight, "large", 8, 4608)[0] is True  # enters at about 0.11
-    assert large_calls.decide(weight, "large", 8, 16384)[0] is False  # enters at 0.25
-    _report(large_calls, weight, "large", 16, blocks=16)  # (1/8 + 1) / 2
+        _report(router, weight, "large", 4, blocks=16)  # 1/4
+    assert small_calls.decide(weight, "large", 8, 2048)[0] is True  # enters at 0.06
+    assert large_calls.decide(weight, "large", 8, 16384)[0] is False  # enters at 0.75
+    _report(large_calls, weight, "large", 16, blocks=16)  # (1/4 + 1) / 2 = 0.625
+    assert large_calls.decide(weight, "large", 8, 16384)[0] is False
+    _report(large_calls, weight, "large", 16, blocks=16)  # (0.625 + 1) / 2 = 0.8125
     assert large_calls.decide(weight, "large", 8, 16384)[0] is True
 
 
@@ -58,12 +60,11 @@ def test_a_routed_layer_comes_back_only_below_half_its_entering_share():
     router, weight = DensityRouter(), torch.randn(8, 4)
     _report(router, weight, "large", 8)  # share 1: routed
     assert router.decide(weight, "large", 8, 16384)[0] is True
-    for _ in range(3):
-        _report(router, weight, "large", 0)  # 0.5, 0.25, 0.125: not below 0.125 yet
+    _report(router, weight, "large", 0)  # 0.5: below the entering 0.75, not below half of it
     assert router.decide(weight, "large", 8, 16384)[0] is True
-    _report(router, weight, "large", 0)  # 0.0625
+    _report(router, weight, "large", 0)  # 0.25
     assert router.decide(weight, "large", 8, 16384)[0] is False
-    _report(router, weight, "large", 1)  # (0.0625 + 0.125) / 2 = 0.094: below 0.25, stays on TwELL
+    _report(router, weight, "large", 8)  # (0.25 + 1) / 2 = 0.625: below 0.75, stays on TwELL
     assert router.decide(weight, "large", 8, 16384)[0] is False
 
 

@@ -18,11 +18,10 @@ Per layer and size class (the classes whose dense-block thresholds differ: decod
 4096 rows, larger), the shares are averaged (each new report weighs half). A call goes to cuBLAS once
 its class's average reaches ``enter_share`` of its row count, and a routed class's calls come back to
 TwELL once it falls below half of that (hysteresis, so a layer near the boundary does not flip every
-call). The threshold grows with the row count: a call with any dense block pays for the dense path's
-GEMMs about as much as one whose blocks are all dense, which at 768-2048 rows already loses to cuBLAS,
-while at 16384 rows a quarter of the blocks dense is where the paths cross (``ENTER_SHARES``). Reports
-are sampled: the first ``FIRST_REPORTS`` calls of a class, then one call in
-``config.route_report_every``.
+call). The threshold grows with the row count: at 768-2048 rows a call with any dense block pays for the
+dense path's GEMMs about as much as one whose blocks are all dense, and loses to cuBLAS; at 16384 rows
+the paths cross at about three quarters of the blocks dense (``ENTER_SHARES``). Reports are sampled:
+the first ``FIRST_REPORTS`` calls of a class, then one call in ``config.route_report_every``.
 
 A layer is its activated projection's weight (the gate's, or the up projection's where non-gated),
 keyed as the weight caches key it: by storage, checked alive with a weak reference, so a freed weight
@@ -52,16 +51,19 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .weight_cache import weight_key
 
-ENTER_SHARES = ((1024, 0.05), (2048, 0.06), (4096, 0.10), (8192, 0.15), (16384, 0.25))
+ENTER_SHARES = ((1024, 0.05), (2048, 0.06), (4096, 0.30), (8192, 0.55), (16384, 0.75))
 """(rows, average dense-block share from which calls of that many rows go to cuBLAS), interpolated in
-log2(rows) between the points and held beyond them. Where the TwELL path crossed the cuBLAS MLP on calls
-with a share of their blocks dense (80 active units per row) and the rest at 24 or 39 (H100, bf16, CUDA
-graphs, 2026-11-27, ``examples/sweep_route_share.py``; twell/cuBLAS time at shares 0, 1/8 and 1/4):
-1024 rows 0.87-1.03, 1.42-1.54, 1.51-1.65; 2048 rows 0.76-0.91, 1.10-1.21, 1.18-1.27; 4096 rows
-0.69-0.85, 0.97-1.07, 1.12-1.22; 8192 rows 0.66-0.78, 0.87-1.02, 1.06-1.19; 16384 rows 0.59-0.71,
-0.79-0.87, 0.98-1.04, and 0.94-1.09 from there to every block dense. One dense block costs the TwELL
-path nearly what all of them do (1024 rows, 24 units: 157.6 us with one of 8 dense, 155.6 with all 8,
-96.1 with none), since the dense path's GEMMs then run a few tiles each on a few SMs."""
+log2(rows) between the points and held beyond them. Where the TwELL path (its dense path on 128-row
+tiles walking only the dense row tiles) crossed the cuBLAS MLP on calls with a share of their blocks
+dense at random (80 active units per row) and the rest at 24 or 39 (H100, bf16, CUDA graphs,
+2026-11-28, ``examples/sweep_route_share.py``; twell/cuBLAS time at shares 0, 1/16, 1/4, 1/2, 3/4):
+1024 rows 0.87, 0.88 (no block dense yet), 1.38, 1.46; 2048 rows 0.75-0.94, 1.03-1.19, 1.07-1.18,
+1.11-1.18, 1.31-1.34; 4096 rows 0.69-0.86, 0.85-0.98, 0.87-0.97, 0.99-1.07, 1.10-1.14; 8192 rows
+0.65-0.80, 0.75-0.85, 0.83-0.90, 0.89-0.98, 1.02-1.06; 16384 rows 0.60-0.72, 0.64-0.73, 0.73-0.80,
+0.86-0.87, 0.91-0.97. At 24 units the paths cross at about 1/2 (4096 rows), 5/8 (8192) and past 3/4
+(16384); at 39 units at about 1/3, 5/9 and 3/4. A dense block costs the dense path's GEMMs a fixed
+~55 us at up to 2048 rows (they run a few tiles each on a few SMs: 1024 rows, 24 units, 98 us with none
+dense, 160 with one of 8, 166 with 4 of 8), which cuBLAS's 110-210 us leave no room for."""
 DECODE_ENTER_SHARE = 0.5
 """The same for decode-sized calls (one 128-row block, so the share is the fraction of calls whose block
 is dense): there the dense path costs about what cuBLAS does (32 rows at 80 active units per row, 42.9
