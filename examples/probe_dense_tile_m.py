@@ -28,24 +28,20 @@ def main() -> None:
                         help="dense blocks spread evenly (close to the GEMMs' worst case) or at random")
     args = parser.parse_args()
     config = twell_mlp.config
-    saved = (config.route_by_density, config.gemm_tile_m, config.down_gemm_tile_m)
     config.route_by_density = False
     rows = []
-    try:
-        for m in args.m:
-            for share in args.shares:
-                p = make_problem(m, 2048, 5632, nnz_per_row=args.nnz, dense_block_share=share, dense_block_placement=args.placement)
-                args_ = p.gated_args()
-                times, outs = {}, {}
-                for tile_m in (256, 128):
-                    config.gemm_tile_m = config.down_gemm_tile_m = tile_m
-                    outs[tile_m] = torch.ops.twell.gated_relu_mlp(*args_)
-                    times[tile_m] = cuda_graph_time_ms(lambda: torch.ops.twell.gated_relu_mlp(*args_), args.reps)
-                same = torch.equal(outs[256], outs[128])
-                rows.append((m, share, times, same))
-                print(m, share, {k: round(v * 1e3, 1) for k, v in times.items()}, "same bits" if same else "DIFFERENT", flush=True)
-    finally:
-        config.route_by_density, config.gemm_tile_m, config.down_gemm_tile_m = saved
+    for m in args.m:
+        for share in args.shares:
+            p = make_problem(m, 2048, 5632, nnz_per_row=args.nnz, dense_block_share=share, dense_block_placement=args.placement)
+            args_ = p.gated_args()
+            times, outs = {}, {}
+            for tile_m in (256, 128):
+                config.gemm_tile_m = config.down_gemm_tile_m = tile_m
+                outs[tile_m] = torch.ops.twell.gated_relu_mlp(*args_)
+                times[tile_m] = cuda_graph_time_ms(lambda: torch.ops.twell.gated_relu_mlp(*args_), args.reps)
+            same = torch.equal(outs[256], outs[128])
+            rows.append((m, share, times, same))
+            print(m, share, {k: round(v * 1e3, 1) for k, v in times.items()}, "same bits" if same else "DIFFERENT", flush=True)
     print(f"\nGPU: {torch.cuda.get_device_name()}  2B shape, bf16, {args.nnz:.0f} active units per row in sparse blocks, "
           f"80 in dense ones ({args.placement}); TwELL path, CUDA-graph replays, median us")
     print(f"{'M':>6} {'share':>6} {'m256':>9} {'m128':>9} {'m128/m256':>10} bits")

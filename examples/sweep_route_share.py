@@ -54,36 +54,32 @@ def main() -> None:
                         help="the twell column's dense-path tiles (default: the routed op's, partly_dense_tile_m)")
     args = parser.parse_args()
     config = twell_mlp.config
-    saved = (config.route_by_density, config.cublas_rows, config.gemm_tile_m, config.down_gemm_tile_m)
     config.gemm_tile_m = config.down_gemm_tile_m = args.twell_tile_m
     rows = []
-    try:
-        for m in args.m:
-            for nnz in args.nnz:
-                for share in args.shares:
-                    p = make_problem(m, 2048, 5632, nnz_per_row=nnz, dense_block_share=share, dense_block_nnz=args.dense_nnz,
-                                     dense_block_placement=args.placement)
-                    x, wg, wu, wd = p.x, p.gate_weight, p.up_weight, p.down_weight
-                    set_route("twell")
-                    seen = dense_blocks_share(x, wg, m)
-                    times, outs = {}, {}
-                    for route in ("twell", "cublas", "routed"):
-                        set_route(route)
-                        for _ in range(3):  # the routed layer's first reports land and set its route
-                            outs[route] = torch.ops.twell.gated_relu_mlp(x, wg, wu, wd)
-                            torch.cuda.synchronize()
-                        times[route] = cuda_graph_time_ms(lambda: torch.ops.twell.gated_relu_mlp(x, wg, wu, wd), args.reps)
-                    for route in ("cublas", "routed"):
-                        err = relative_error(outs[route], outs["twell"])
-                        assert err < 1e-2, f"M={m} share {share}: {route} differs from twell by {err:.2e}"
-                    rows.append((m, nnz, share, seen, times))
-                    print(m, nnz, share, f"seen {seen:.3f}", {k: round(v * 1e3, 1) for k, v in times.items()}, flush=True)
-    finally:
-        config.route_by_density, config.cublas_rows, config.gemm_tile_m, config.down_gemm_tile_m = saved
+    for m in args.m:
+        for nnz in args.nnz:
+            for share in args.shares:
+                p = make_problem(m, 2048, 5632, nnz_per_row=nnz, dense_block_share=share, dense_block_nnz=args.dense_nnz,
+                                 dense_block_placement=args.placement)
+                x, wg, wu, wd = p.x, p.gate_weight, p.up_weight, p.down_weight
+                set_route("twell")
+                seen = dense_blocks_share(x, wg, m)
+                times, outs = {}, {}
+                for route in ("twell", "cublas", "routed"):
+                    set_route(route)
+                    for _ in range(3):  # the routed layer's first reports land and set its route
+                        outs[route] = torch.ops.twell.gated_relu_mlp(x, wg, wu, wd)
+                        torch.cuda.synchronize()
+                    times[route] = cuda_graph_time_ms(lambda: torch.ops.twell.gated_relu_mlp(x, wg, wu, wd), args.reps)
+                for route in ("cublas", "routed"):
+                    err = relative_error(outs[route], outs["twell"])
+                    assert err < 1e-2, f"M={m} share {share}: {route} differs from twell by {err:.2e}"
+                rows.append((m, nnz, share, seen, times))
+                print(m, nnz, share, f"seen {seen:.3f}", {k: round(v * 1e3, 1) for k, v in times.items()}, flush=True)
 
     print(f"\nGPU: {torch.cuda.get_device_name()}  K=2048 N=5632 bf16, dense blocks ({args.placement}) at {args.dense_nnz:.0f} "
-          f"active units per row, twell's dense path on {args.twell_tile_m}-row tiles, CUDA-graph replays, median us; /cublas > 1: slower than the cuBLAS MLP; routed: the "
-          "op's default, routing by observed density, once settled")
+          f"active units per row, twell's dense path on {args.twell_tile_m}-row tiles, CUDA-graph replays, median us; "
+          "/cublas > 1: slower than the cuBLAS MLP; routed: the op's default, routing by observed density, once settled")
     print(f"{'M':>6} {'nnz':>4} {'share':>6} {'seen':>6} {'twell':>9} {'cublas':>9} {'routed':>9} "
           f"{'twell/cublas':>13} {'routed/cublas':>14}")
     for m, nnz, share, seen, times in rows:

@@ -112,7 +112,6 @@ def test_dense_path_gemms_write_eager_products_bitwise(dtype, schedule):
     assert err < 4e-3, err
 
 
-
 @requires_twell_kernels
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("ctas", [3, None], ids=["ctas3", "ctas-all"])

@@ -14,6 +14,8 @@ import math
 import torch
 from torch import Tensor
 
+from .kernels.triton_kernels import DECISION_ROWS  # the kernels' dense-or-sparse blocks
+
 
 @dataclasses.dataclass
 class MlpProblem:
@@ -37,7 +39,6 @@ def _normal_quantile(p: float) -> float:
     return math.sqrt(2.0) * torch.special.erfinv(torch.tensor(1.0 - 2.0 * p, dtype=torch.float64)).item()
 
 
-_DECISION_ROWS = 128  # the kernels' dense-or-sparse blocks (twell_compile.kernels.triton_kernels.DECISION_ROWS)
 
 
 def _density_shift(nnz_per_row: float, intermediate: int) -> float:
@@ -79,7 +80,7 @@ def make_problem(
         row_shift[heavy_rows] -= 2.0
         heavy_units = torch.rand(intermediate, generator=g, **f64) < 0.02
         unit_shift[heavy_units] -= 1.0
-    blocks = -(-m // _DECISION_ROWS)
+    blocks = -(-m // DECISION_ROWS)
     n_dense = round(dense_block_share * blocks)
     if dense_block_placement == "even":
         dense_blocks = sorted({i * blocks // n_dense for i in range(n_dense)}) if n_dense else []
@@ -89,7 +90,7 @@ def make_problem(
     else:
         raise ValueError(f"dense_block_placement is 'even' or 'random', not {dense_block_placement!r}")
     for b in dense_blocks:
-        row_shift[b * _DECISION_ROWS:(b + 1) * _DECISION_ROWS] = _density_shift(dense_block_nnz, intermediate)
+        row_shift[b * DECISION_ROWS:(b + 1) * DECISION_ROWS] = _density_shift(dense_block_nnz, intermediate)
     for r in dense_rows:
         if r < m:
             row_shift[r] = -12.0
