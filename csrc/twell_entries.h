@@ -124,6 +124,33 @@ inline KSplit choose_k_split(int64_t M, int64_t N, int64_t K, int64_t ctas, int6
   return split;
 }
 
+// Whether a GEMM of M rows runs the cooperative schedule (256-row tiles, no K split): asked for
+// (tile_m 256) and enough of its tiles to fill the grid; else ping-pong.
+inline bool cooperative_schedule(int64_t M, int64_t N, int64_t ctas, int64_t tile_m) {
+  return tile_m == 256 && (M + 255) / 256 * ((N + kGemmTile - 1) / kGemmTile) >= ctas;
+}
+
+// Dense-path GEMMs of at most this many 128-row blocks (1M rows) walk only their dense row tiles.
+constexpr int kCompactWalkBlocks = 8192;
+
+// The dense-path GEMMs' K split for few dense tiles. Their output tiles fill the grid, so
+// choose_k_split splits nothing, but only the tiles of dense blocks run: one dense block of a 1024-row
+// call leaves 16 tiles of the 2B down projection (88 K-slices each) to 16 SMs. Only the device knows
+// how many tiles are dense, so each CTA counts them (the compact walk) and splits K itself where they
+// leave most CTAs idle, by choose_k_split's rule with the dense tiles for the tiles. The host provides
+// room for it: a workspace of this many partial tiles and as many zeroed arrival counters (0: the GEMM
+// cannot split this way: K split already, a K too short for two ranges, more blocks than the compact
+// walk takes, the cooperative schedule, or a split asked for explicitly). The workspace, 64 KB a
+// partial tile (8.4 MB on 132 SMs), comes from PyTorch's caching allocator on every such call, whether
+// the GEMM splits or not; a caller that passes no counters gets them zeroed by one more kernel.
+inline int64_t adaptive_split_room(int64_t M, int64_t N, int64_t K, int64_t ctas, int64_t tile_m, int64_t requested) {
+  const KSplit split = choose_k_split(M, N, K, ctas, requested);
+  const bool possible = requested == 0 && split.splits == 1 && split.k_steps / kMinSplitSteps >= 2 &&
+                        (M + kGemmTile - 1) / kGemmTile <= kCompactWalkBlocks &&  // 128-row blocks
+                        !cooperative_schedule(M, N, ctas, tile_m);
+  return possible ? ctas : 0;
+}
+
 // Everything about one call that follows from its shapes and the settings, decided in Python
 // (twell_compile/kernels/twell_mlp.py, which caches one per shape) so the per-call host work is a
 // single C++ call.

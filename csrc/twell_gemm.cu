@@ -48,7 +48,7 @@
 //   sparse (or past the end) only receives and releases the stages, without MMAs, and the writer
 //   leaves its rows alone.
 // The dense-path kernels read the per-block test once per CTA into a shared bitmap, and a CTA exits at
-// once when no block is dense.
+// once when no block is dense. They walk only the row tiles that hold a dense block (TileWalk).
 //
 // Where there are enough tiles, CTAs run in clusters of 2 that compute horizontally adjacent tiles (the
 // same rows, columns pn and pn + 1) in lockstep: each loads half of the shared A tile, multicast into
@@ -61,6 +61,10 @@
 // Where the output tiles are fewer than the SMs and K is long (small M: the 2B dense path's down
 // projection), each tile's K may be split over several CTAs (sum_split_partials; choose_k_split in
 // twell_entries.h): fp32 partial tiles parked in a workspace, summed in a fixed order by the last range.
+// The dense-path GEMMs in ping-pong also split K by themselves where their dense tiles are few
+// (TileWalk::split_for_idle_ctas, adaptive_split_room): the host cannot know how many are dense, the
+// CTAs can. A result's bits then depend on how many of the call's tiles are dense, as they already
+// depend on M through choose_k_split; they do not change from run to run.
 //
 // The epilogues need no shared memory: in the wgmma accumulator layout a row's 128 columns sit in the 4
 // lanes of a quad (32 each), so a row's count and each lane's slot offset are a popcount and two shuffles.
@@ -93,9 +97,10 @@ static_assert(kBlockM == kGemmTile && kBlockN == kGemmTile && kBlockK == kGemmSl
 constexpr int kRingBytes = 192 * 1024;
 constexpr int kMaxStages = 6;
 constexpr int kBitmapBlocks = 65536;  // dense-block bitmap: 8 KB of shared memory
-// Dense-path GEMMs of at most this many blocks (1M rows) walk only their dense row tiles: every thread
-// counts them at the start and finds each unit's row tile by scanning the bitmap, at most 256 words.
-constexpr int kCompactWalkBlocks = 8192;
+// Dense-path GEMMs of at most kCompactWalkBlocks blocks (twell_entries.h) walk only their dense row
+// tiles: every thread counts them at the start and finds each unit's row tile by scanning the bitmap,
+// at most 256 words.
+static_assert(kCompactWalkBlocks <= kBitmapBlocks, "the compact walk reads the bitmap");
 constexpr int kBarrierBytes = (2 * kMaxStages + 4) * 8;
 
 enum class Epilogue { kTwellPack, kGateTimesUp, kStore };
@@ -207,8 +212,27 @@ struct TileWalk {
     for (int w = 0; w < tile_words; ++w) dense_tiles += __popc(dense_tile_word<kBlocksPerTile>(bits, block_words, w));
     n_tiles_m = dense_tiles;
   }
+  // Few dense tiles (dense-path GEMMs given room for it, adaptive_split_room): split K the way
+  // choose_k_split would for that many tiles, at most `room` partial tiles in all. Every CTA reaches the
+  // same choice, as it does the same walk.
+  __device__ __forceinline__ void split_for_idle_ctas(int room) {
+    const int tiles = n_tiles_m * units_n() * kCluster;  // the CTAs' tiles, a pair's missing one included
+    if (tiles == 0) return;
+    const int ranges = min(min(kMaxKSplits, k_steps / kMinSplitSteps), min(static_cast<int>(gridDim.x), room) / tiles);
+    if (ranges < 2) return;
+    split_steps = (k_steps + ranges - 1) / ranges;
+    splits = (k_steps + split_steps - 1) / split_steps;
+  }
   __device__ __forceinline__ int units_n() const { return (n_tiles_n + kCluster - 1) / kCluster; }
   __device__ __forceinline__ int n_units() const { return n_tiles_m * units_n() * splits; }
+  // The unit's output tile among the walk's (row rank, column): a K split's partial-tile and counter
+  // index, below n_tiles_m * n_tiles_n (for the compact walk, the dense tiles only) for every real tile.
+  // A pair's missing last tile would index the next row's first: callers skip it first (real()).
+  __device__ __forceinline__ int split_tile(int unit) const {
+    int pm, spn;
+    tile_coords(unit / splits, n_tiles_m, units_n(), group_m, pm, spn);
+    return pm * n_tiles_n + spn * kCluster + rank;
+  }
   template <int kBlocksPerTile = 1>
   __device__ __forceinline__ void coords(int unit, int& pm, int& pn, int& split) const {
     int spn;
@@ -248,9 +272,15 @@ struct EpilogueArgs {
   uint32_t* packed;  // pack: written; gate times up: the gate read from it
   int* counts;       // likewise
   int* block_nnz;    // written by pack, read by the dense-path epilogues
-  float4* split_partials;  // K split (k_splits > 1): [n_tiles_m * n_tiles_n, k_splits, 32, 128] partial tiles
-  int* split_arrivals;     // [n_tiles_m * n_tiles_n]: the K ranges of each tile done so far (zero on entry)
+  // K split: the partial tiles, [tiles, ranges, 32, 128] float4, and per tile the K ranges done so far
+  // (zero on entry). Tiles are TileWalk::split_tile's: n_tiles_m * n_tiles_n of them for a split the
+  // host chose (k_splits > 1), fewer than split_room for an adaptive one.
+  float4* split_partials;
+  int* split_arrivals;
   int k_splits, split_steps;  // K ranges per tile (1: no split) and K-slices per range
+  // Adaptive K split (k_splits 1; TileWalk::split_for_idle_ctas): the partial tiles split_partials
+  // holds and the counters split_arrivals has, indexed by the dense tiles; 0: no such split.
+  int split_room;
   int M, N, n_tiles_n, cap;
   bool slots_vec8;            // gate times up: cap >= 8, cap % 4 == 0 and packed 16-byte aligned
   DenseBlockTest dense_test;  // dense-path epilogues only
@@ -659,10 +689,10 @@ __device__ __forceinline__ void add_partial(float (&acc)[64], const float4* part
 // is left at k_splits (the caller zeroes the counters per launch). Fence, barrier, counter, barrier,
 // fence: the usual last-block pattern, with the warpgroup's named barrier standing for the CTA's.
 __device__ __forceinline__ bool sum_split_partials(float (&acc_top)[64], float (&acc_bottom)[64], int tile, int split,
-                                                  int consumer, int t, const EpilogueArgs& args) {
+                                                  int splits, int consumer, int t, const EpilogueArgs& args) {
   __shared__ int finishes[2];  // per consumer warpgroup: whether its range is the tile's last
   constexpr int kVecs = 32;    // float4 per thread
-  float4* partials = args.split_partials + static_cast<int64_t>(tile) * args.k_splits * kVecs * 128 + t;
+  float4* partials = args.split_partials + static_cast<int64_t>(tile) * splits * kVecs * 128 + t;
   float4* mine = partials + static_cast<int64_t>(split) * kVecs * 128;
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
@@ -672,7 +702,7 @@ __device__ __forceinline__ bool sum_split_partials(float (&acc_top)[64], float (
   }
   __threadfence();
   ptx::named_barrier_sync(1 + consumer, 128);
-  if (t == 0) finishes[consumer] = atomicAdd(&args.split_arrivals[tile], 1) == args.k_splits - 1;
+  if (t == 0) finishes[consumer] = atomicAdd(&args.split_arrivals[tile], 1) == splits - 1;
   ptx::named_barrier_sync(1 + consumer, 128);
   if (!finishes[consumer]) return false;
   __threadfence();
@@ -683,7 +713,7 @@ __device__ __forceinline__ bool sum_split_partials(float (&acc_top)[64], float (
     acc_top[4 * i] = v.x, acc_top[4 * i + 1] = v.y, acc_top[4 * i + 2] = v.z, acc_top[4 * i + 3] = v.w;
     acc_bottom[4 * i] = w.x, acc_bottom[4 * i + 1] = w.y, acc_bottom[4 * i + 2] = w.z, acc_bottom[4 * i + 3] = w.w;
   }
-  for (int s = 1; s < args.k_splits; ++s) {
+  for (int s = 1; s < splits; ++s) {
     const float4* part = partials + static_cast<int64_t>(s) * kVecs * 128;
     add_partial(acc_top, part);
     add_partial(acc_bottom, part + 16 * 128);
@@ -1073,7 +1103,7 @@ __device__ __forceinline__ void consume(const EpilogueArgs& args, const Smem& sm
     if (!walk.real(pn)) continue;
     if constexpr (!S::kCoop) {  // (K is split only in ping-pong: dispatch)
       if (walk.splits > 1 &&
-          !sum_split_partials(acc_top, acc_bottom, pm * args.n_tiles_n + pn, split, consumer, t, args)) {
+          !sum_split_partials(acc_top, acc_bottom, walk.split_tile(unit), split, walk.splits, consumer, t, args)) {
         continue;  // another K range of this tile finishes it
       }
     }
@@ -1112,8 +1142,12 @@ __global__ void __launch_bounds__(Schedule<kMode, kTileM>::kThreads, 1) twell_ge
   const int k_steps = (K + kBlockK - 1) / kBlockK;
   TileWalk<kCluster> walk(n_tiles_m, n_tiles_n, group_m, args.k_splits, args.split_steps, k_steps);
   if constexpr (kMode != Epilogue::kTwellPack) {
-    if (filter.bits != nullptr && args.dense_test.n_blocks <= kCompactWalkBlocks)
+    if (filter.bits != nullptr && args.dense_test.n_blocks <= kCompactWalkBlocks) {
       walk.template compact_to_dense_tiles<Schedule<kMode, kTileM>::kBlocksPerTile>(filter.bits, args.dense_test.n_blocks);
+      if constexpr (!Schedule<kMode, kTileM>::kCoop) {
+        if (args.split_room > 0) walk.split_for_idle_ctas(args.split_room);
+      }
+    }
   }
   if (threadIdx.x < 128) {
     produce<kMode, kCluster, kTileM>(&a_map, &b_map, sm, filter, args.M, walk);
@@ -1212,7 +1246,9 @@ void launch_cluster(const at::Tensor& a, const at::Tensor& b, const EpilogueArgs
 // ping-pong. k_splits: K ranges per tile (0 automatic, see choose_k_split; 1 none); a split GEMM runs
 // ping-pong in single CTAs, and parks its partial tiles in a workspace from PyTorch's allocator. Its per-tile arrival
 // counters must start at zero: split_arrivals where the caller zeroes them with other counters,
-// else zeroed here (one more kernel).
+// else zeroed here (one more kernel). The dense-path GEMMs that choose_k_split leaves whole may split on
+// the device where few of their tiles are dense (adaptive_split_room): the same workspace and counters,
+// sized for the grid.
 template <Epilogue kMode>
 void dispatch(const at::Tensor& a, const at::Tensor& b, EpilogueArgs args, int64_t ctas, int64_t cluster,
               int64_t tile_m, int64_t k_splits, const c10::optional<at::Tensor>& split_arrivals) {
@@ -1221,32 +1257,41 @@ void dispatch(const at::Tensor& a, const at::Tensor& b, EpilogueArgs args, int64
   TORCH_CHECK(k_splits >= 0 && k_splits <= kMaxKSplits, "twell: k_splits must be 0 (automatic) to 16");
   TORCH_CHECK(ctas >= 1, "twell: ctas must be positive");
   const c10::cuda::CUDAGuard guard(a.device());
-  const KSplit split = choose_k_split(a.size(0), b.size(0), a.size(1), ctas, k_splits);
-  const int64_t tiles = split.tiles;
+  const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
+  const KSplit split = choose_k_split(M, N, K, ctas, k_splits);
   args.k_splits = split.splits;
   args.split_steps = split.steps;
-  if (split.splits > 1) {
-    // Freed once the launch is queued: the caching allocator hands the memory out again only to work
-    // queued after it on this stream.
-    const at::Tensor partials = at::empty({tiles * split.splits * kBlockM * kBlockN}, a.options().dtype(at::kFloat));
-    at::Tensor arrivals;
+  args.split_room = 0;
+  const int64_t room = kMode == Epilogue::kTwellPack ? 0 : adaptive_split_room(M, N, K, ctas, tile_m, k_splits);
+  // Partial tiles and arrival counters: one per output tile of a split, `room` for an adaptive one.
+  const int64_t partial_tiles = split.splits > 1 ? split.tiles * split.splits : room;
+  const int64_t counters = split.splits > 1 ? split.tiles : room;
+  // Freed once the launch is queued: the caching allocator hands the memory out again only to work
+  // queued after it on this stream.
+  at::Tensor partials, arrivals;
+  if (partial_tiles > 0) {
+    partials = at::empty({partial_tiles * kBlockM * kBlockN}, a.options().dtype(at::kFloat));
     if (split_arrivals.has_value()) {  // zeroed by the caller along with other counters (one memset)
       arrivals = *split_arrivals;
-      TORCH_CHECK(arrivals.is_contiguous() && arrivals.scalar_type() == at::kInt && arrivals.numel() >= tiles &&
+      TORCH_CHECK(arrivals.is_contiguous() && arrivals.scalar_type() == at::kInt && arrivals.numel() >= counters &&
                       arrivals.device() == a.device(),
-                  "twell: split_arrivals must be int32 with one element per 128 x 128 output tile");
+                  "twell: split_arrivals must be int32 with one element per 128 x 128 output tile (the grid's "
+                  "CTAs where the dense path may split K by itself: adaptive_split_room)");
     } else {
-      arrivals = at::zeros({tiles}, a.options().dtype(at::kInt));
+      arrivals = at::zeros({counters}, a.options().dtype(at::kInt));
     }
     args.split_partials = reinterpret_cast<float4*>(partials.data_ptr<float>());
     args.split_arrivals = arrivals.data_ptr<int>();
+  }
+  if (split.splits > 1) {
     // Single CTAs: both gate-shaped GEMMs ran slower split in pairs (H100, M = 128: the gate 25.6 us in
     // 3 ranges, against 20.5 us whole).
     return launch_cluster<kMode, 128>(a, b, args, ctas, 1);
   }
-  if (tile_m == 256 && (a.size(0) + 255) / 256 * args.n_tiles_n >= ctas) {
+  if (cooperative_schedule(M, N, ctas, tile_m)) {
     launch_cluster<kMode, 256>(a, b, args, ctas, cluster);
   } else {
+    args.split_room = static_cast<int>(room);
     launch_cluster<kMode, 128>(a, b, args, ctas, cluster);
   }
 }

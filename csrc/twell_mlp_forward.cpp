@@ -21,10 +21,14 @@ namespace {
 bool contiguous_or_absent(const c10::optional<at::Tensor>& t) { return !t.has_value() || t->is_contiguous(); }
 
 // Arrival counters the wgmma GEMM of C [M, N] over a reduction of length K needs: one per output tile
-// where it splits K (csrc/twell_gemm.cu makes the same choice), else none.
+// where it splits K (csrc/twell_gemm.cu makes the same choice); for a dense-path GEMM (`tile_m` its
+// schedule) that may split K by itself where few tiles are dense, the room it is given; else none.
 int64_t split_counters(const MlpPlan& plan, int64_t M, int64_t N, int64_t K) {
   const KSplit split = choose_k_split(M, N, K, plan.ctas, plan.gemm_k_splits);
   return split.splits > 1 ? split.tiles : 0;
+}
+int64_t dense_path_counters(const MlpPlan& plan, int64_t M, int64_t N, int64_t K, int64_t tile_m) {
+  return split_counters(plan, M, N, K) + adaptive_split_room(M, N, K, plan.ctas, tile_m, plan.gemm_k_splits);
 }
 
 c10::optional<at::Tensor> counters_at(const at::Tensor& zeroed, int64_t offset, int64_t count) {
@@ -63,8 +67,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   // kernel's counters (heavy rows it lists, blocks it first finds dense).
   const int64_t K = x.size(1);
   const int64_t gate_arrivals = plan.decode_gate ? 0 : split_counters(plan, M, F, K);
-  const int64_t up_arrivals = plan.decode_dense || !gated ? 0 : split_counters(plan, M, F, K);
-  const int64_t down_arrivals = plan.decode_dense ? 0 : split_counters(plan, M, D, F);
+  const int64_t up_arrivals = plan.decode_dense || !gated ? 0 : dense_path_counters(plan, M, F, K, plan.gemm_tile_m);
+  const int64_t down_arrivals = plan.decode_dense ? 0 : dense_path_counters(plan, M, D, F, plan.down_gemm_tile_m);
   const int64_t heavy_at = 2 * n_blocks + gate_arrivals + up_arrivals + down_arrivals;
   at::Tensor zeroed = at::empty({heavy_at + (plan.chunked ? 2 : 0)}, ints);
   C10_CUDA_CHECK(cudaMemsetAsync(zeroed.data_ptr(), 0, zeroed.nbytes(), c10::cuda::getCurrentCUDAStream()));

@@ -2,7 +2,9 @@
 its gate-times-up and down GEMMs on 256-row cooperative tiles (the default) against 128-row ping-pong
 tiles, on calls where a share of the 128-row blocks is dense (``make_problem(dense_block_share=...)``).
 A 256-row tile runs whenever one of its two blocks is dense, so scattered dense blocks leave half of
-each such tile idle; 128-row tiles run only the dense blocks.
+each such tile idle; 128-row tiles run only the dense blocks. The 128-row (ping-pong) tiles split K by
+themselves where few tiles are dense (csrc/twell_entries.h, adaptive_split_room) and then sum in
+another order: "differ" in the bits column is expected there.
 
     python examples/probe_dense_tile_m.py --m 8192 16384 --shares 0.125 1
 """

@@ -139,3 +139,69 @@ def test_dense_path_gemms_walk_every_scattered_dense_tile_once(schedule, ctas):
                                             ctas - ctas % cluster, cluster, tile_m, 1)
     _assert_same_bits(out[rows_dense], everything[rows_dense], f"store, {schedule}")
     assert out[~rows_dense].isnan().all()
+
+
+def _gemm_with_split(a, b, bias, c, block_nnz, cluster, k_splits, gate=None):
+    """dense_block_gemm in ping-pong on the whole GPU, K split as asked (0: automatic)."""
+    from twell_compile.kernels import build
+
+    packed, counts = gate if gate is not None else (None, None)
+    ctas = torch.cuda.get_device_properties(a.device).multi_processor_count
+    build.cuda_extension().dense_block_gemm(a, b, bias, c, block_nnz, packed, counts, 0, 0, INT32_MAX, ctas, cluster,
+                                            128, k_splits)
+    return c
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("epilogue", ["store", "gate-times-up"])
+@pytest.mark.parametrize("cluster", [1, 2], ids=["single", "pairs"])
+def test_few_dense_tiles_split_k_by_themselves(epilogue, cluster):
+    """The dense path's GEMMs split K on the device where few tiles are dense (adaptive_split_room): the
+    call's 176 output tiles fill the grid, so the host splits nothing, but one dense block leaves 11 of
+    them, and K = 2600 (41 slices) makes two ranges. Each dense row gets exactly what the GEMM split in
+    two by request gives (the same ranges, summed in the same order), and is close to float64; the store's
+    differ from the unsplit bits; the other rows keep what they held; two runs agree. With every block
+    dense nothing splits."""
+    from twell_compile.kernels import build
+
+    m, k, n = 2000, 2600, 1400  # 16 blocks, the last of 80 rows; 11 column tiles
+    ctas = torch.cuda.get_device_properties(0).multi_processor_count
+    if -(-m // 128) * -(-n // 128) < ctas:
+        pytest.skip("more SMs than output tiles: the host splits K itself")
+    gated = epilogue == "gate-times-up"
+    problem = make_problem(m, k, n, nnz_per_row=20.0, bias=True)
+    rows_dense = torch.zeros(m, dtype=torch.bool, device="cuda")
+    rows_dense[3 * 128:4 * 128] = True
+    one_block, all_blocks = _block_nnz(m, (3,)), _block_nnz(m, range(16))
+    # The output's first contents: poison for the store; for gate times up, the gate's backup (the
+    # tiles past capacity), beside its TwELL output.
+    c0 = torch.full((m, n), float("nan"), dtype=problem.x.dtype, device="cuda")
+    gate = None
+    if gated:
+        packed = torch.empty((m, -(-n // 128), CAP), dtype=torch.int32, device="cuda")
+        counts = torch.empty((m, -(-n // 128)), dtype=torch.int32, device="cuda")
+        build.cuda_extension().gate_twell_gemm(problem.x, problem.gate_weight, problem.gate_bias, packed, counts, c0,
+                                               torch.zeros_like(all_blocks), ctas, 1, 128, 1)
+        gate = (packed, counts)
+
+    def run(blocks, k_splits):
+        return _gemm_with_split(problem.x, problem.up_weight, problem.up_bias, c0.clone(), blocks, cluster, k_splits,
+                                gate)
+
+    adaptive, again = run(one_block, 0), run(one_block, 0)
+    requested, whole = run(one_block, 2), run(one_block, 1)
+    _assert_same_bits(adaptive[rows_dense], requested[rows_dense], f"{epilogue}: adaptive against requested split")
+    assert torch.equal(_bits(adaptive), _bits(again)), "not deterministic"
+    if gated:
+        # Gate times up is +-0 wherever the gate is, all but ~20 units a row, so the sum order may not
+        # show in its bits: the store (every element a sum) is the test that K was split.
+        _assert_same_bits(adaptive[~rows_dense], c0[~rows_dense], "gate times up left the sparse blocks alone")
+    else:
+        assert not torch.equal(_bits(adaptive[rows_dense]), _bits(whole[rows_dense])), "K was not split"
+        assert adaptive[~rows_dense].isnan().all()
+    expected = problem.x[rows_dense].double() @ problem.up_weight.double().t() + problem.up_bias.double()
+    if gated:
+        expected = twell_to_dense(packed, counts, c0)[rows_dense].double() * expected
+    err = (adaptive[rows_dense].double() - expected).norm() / expected.norm()
+    assert err < 4e-3, err
+    _assert_same_bits(run(all_blocks, 0), run(all_blocks, 1), f"{epilogue}: every block dense, nothing split")

@@ -237,11 +237,14 @@ def test_gemm_schedules_match_bitwise(gated, path):
     makes each run everywhere (up to 187 SMs) with odd column-tile counts (21 for the gate, 11 for the
     down projection: the last pair's second tile does not exist) and a last row tile of 30 rows (a
     multicast half lies wholly past the end). Dense rows 0 and 700 make 256-row tiles that hold one
-    dense and one sparse block: the cooperative dense path must leave the sparse half alone."""
+    dense and one sparse block: the cooperative dense path must leave the sparse half alone. K is kept
+    whole (gemm_k_splits=1): with two blocks dense the ping-pong down projection would otherwise split it
+    by itself (test_cuda_dense_gemm.py), which sums in another order, and the cooperative one cannot."""
     problem = make_problem(4126, 200, 2600, 1400, nnz_per_row=24.0, gated=gated, bias=True, dense_rows=(0, 700))
     outs = {}
     for cluster, tile_m in ((1, 128), (2, 128), (1, 256), (2, 256)):
-        with kernel_config(gemm_cluster=cluster, gate_gemm_tile_m=tile_m, gemm_tile_m=tile_m, down_gemm_tile_m=tile_m):
+        with kernel_config(gemm_cluster=cluster, gate_gemm_tile_m=tile_m, gemm_tile_m=tile_m, down_gemm_tile_m=tile_m,
+                           gemm_k_splits=1):
             out, ref64, dense_same_dtype = _run(problem, gated, path)
         _check(out, ref64, dense_same_dtype, f"schedules gated={gated} path={path} cluster={cluster} tile_m={tile_m}")
         outs[cluster, tile_m] = out
