@@ -89,7 +89,8 @@ constexpr int kMaxKSplits = 16;
 // The fewest K-slices an automatic split leaves a range. Below it the split stopped paying (H100, 2B
 // shape, dense path, per kernel): the down projection (88 slices, 16 column tiles at M = 128) took
 // 32.6 us whole, 22.9 / 20.1 / 19.7 us in 2 / 3 / 4 ranges, 23.9 us in 8; the gate (32 slices, 44 column
-// tiles) took 20.5 us whole and 22.2 us in 2 ranges.
+// tiles) took 20.5 us whole and 22.2 us in 2 ranges. The dense path's adaptive split (below) was no
+// faster with 10 or 6 (one dense block of a 1024-2048-row call, H100, 2026-11-28).
 constexpr int kMinSplitSteps = 20;
 
 // The wgmma GEMMs' (csrc/twell_gemm.cu) output tile, the unit of a K split, and their K-slice.

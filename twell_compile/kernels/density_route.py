@@ -62,8 +62,11 @@ dense at random (80 active units per row) and the rest at 24 or 39 (H100, bf16, 
 0.65-0.80, 0.75-0.85, 0.83-0.90, 0.89-0.98, 1.02-1.06; 16384 rows 0.60-0.72, 0.64-0.73, 0.73-0.80,
 0.86-0.87, 0.91-0.97. At 24 units the paths cross at about 1/2 (4096 rows), 5/8 (8192) and past 3/4
 (16384); at 39 units at about 1/3, 5/9 and 3/4. A dense block costs the dense path's GEMMs a fixed
-~55 us at up to 2048 rows (they run a few tiles each on a few SMs: 1024 rows, 24 units, 98 us with none
-dense, 160 with one of 8, 166 with 4 of 8), which cuBLAS's 110-210 us leave no room for."""
+~45 us at up to 2048 rows (~55 before they split K by themselves for few dense tiles; 1024 rows, 24 units:
+96 us with none dense, 140 with one of 8, against 108 for cuBLAS), which cuBLAS's 110-210 us leave no room
+for. Checked again with that split (same script): 1536 rows lost with one block of 12 (1.09-1.23x), 2048
+rows with one of 16 at 39 units (1.10x), and 3072 rows crossed between 1/8 and 1/4 at 39 units (0.98x,
+1.02x), where the interpolation gives 20%."""
 DECODE_ENTER_SHARE = 0.5
 """The same for decode-sized calls (one 128-row block, so the share is the fraction of calls whose block
 is dense): there the dense path costs about what cuBLAS does (32 rows at 80 active units per row, 42.9
