@@ -37,6 +37,9 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["uniform", "skewed"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--json", default=None, help="write all results to this file")
+    parser.add_argument("--graph-calls", type=int, default=1,
+                        help="calls captured in each timed CUDA graph (times are per call): more spread the "
+                             "graph's launch, which a replay timed alone includes, over them")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     k, f = args.hidden, args.intermediate
@@ -65,8 +68,9 @@ def main() -> None:
                 t_twell = cuda_time_ms(lambda: torch.ops.twell.gated_relu_mlp(x, wg, wu, wd), reps)
                 # Small batches are launch-bound in eager mode; CUDA graphs (mode="reduce-overhead") show the kernels.
                 graphed = m <= 4096
-                t_dense_graph = cuda_graph_time_ms(lambda: dense_mlp(x, wg, wu, wd), reps) if graphed else None
-                t_twell_graph = (cuda_graph_time_ms(lambda: torch.ops.twell.gated_relu_mlp(x, wg, wu, wd), reps)
+                calls = args.graph_calls
+                t_dense_graph = cuda_graph_time_ms(lambda: dense_mlp(x, wg, wu, wd), reps, calls) if graphed else None
+                t_twell_graph = (cuda_graph_time_ms(lambda: torch.ops.twell.gated_relu_mlp(x, wg, wu, wd), reps, calls)
                                  if graphed else None)
                 # The path the timed calls took: a layer whose blocks mostly go dense is routed to cuBLAS
                 # after its first calls (config.route_by_density).
@@ -88,7 +92,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), fh, indent=1)
-    print(f"\nGPU: {torch.cuda.get_device_name()}  (K={k}, N={f}, {args.dtype}; ms are CUDA-event medians)")
+    print(f"\nGPU: {torch.cuda.get_device_name()}  (K={k}, N={f}, {args.dtype}; ms are CUDA-event medians; "
+          f"graphs of {args.graph_calls} call(s), times per call)")
     header = (f"{'M':>7} {'kind':<8} {'nnz':>6} {'max':>5} {'dense':>8} {'compiled':>8} {'gate':>8} {'twell':>8} "
               f"{'vs dense':>8} {'vs comp':>7} {'/gate':>6} {'err':>8} {'dense err':>9} {'dense blk':>9} "
               f"{'graphs: dense':>13} {'twell':>7} {'ratio':>6} {'path':>7}")

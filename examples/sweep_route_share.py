@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--dense-nnz", type=float, default=80)
     parser.add_argument("--shares", type=float, nargs="+", default=[0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 1])
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--graph-calls", type=int, default=1,
+                        help="calls captured in each timed CUDA graph (times are per call; see cuda_graph_time_ms)")
     parser.add_argument("--placement", choices=["even", "random"], default="even",
                         help="dense blocks spread evenly (close to the dense-path GEMMs' worst case) or at random")
     parser.add_argument("--twell-tile-m", type=int, choices=[128, 256], default=twell_mlp.config.partly_dense_tile_m,
@@ -70,7 +72,8 @@ def main() -> None:
                     for _ in range(3):  # the routed layer's first reports land and set its route
                         outs[route] = torch.ops.twell.gated_relu_mlp(x, wg, wu, wd)
                         torch.cuda.synchronize()
-                    times[route] = cuda_graph_time_ms(lambda: torch.ops.twell.gated_relu_mlp(x, wg, wu, wd), args.reps)
+                    times[route] = cuda_graph_time_ms(lambda: torch.ops.twell.gated_relu_mlp(x, wg, wu, wd), args.reps,
+                                                      args.graph_calls)
                 for route in ("cublas", "routed"):
                     err = relative_error(outs[route], outs["twell"])
                     assert err < 1e-2, f"M={m} share {share}: {route} differs from twell by {err:.2e}"
@@ -78,7 +81,8 @@ def main() -> None:
                 print(m, nnz, share, f"seen {seen:.3f}", {k: round(v * 1e3, 1) for k, v in times.items()}, flush=True)
 
     print(f"\nGPU: {torch.cuda.get_device_name()}  K=2048 N=5632 bf16, dense blocks ({args.placement}) at {args.dense_nnz:.0f} "
-          f"active units per row, twell's dense path on {args.twell_tile_m}-row tiles, CUDA-graph replays, median us; "
+          f"active units per row, twell's dense path on {args.twell_tile_m}-row tiles, CUDA-graph replays "
+          f"({args.graph_calls} call(s) a graph), median us per call; "
           "/cublas > 1: slower than the cuBLAS MLP; routed: the op's default, routing by observed density, once settled")
     print(f"{'M':>6} {'nnz':>4} {'share':>6} {'seen':>6} {'twell':>9} {'cublas':>9} {'routed':>9} "
           f"{'twell/cublas':>13} {'routed/cublas':>14}")
