@@ -30,17 +30,10 @@ import torch
 
 import twell_compile  # noqa: F401  (loads the CUDA extension's build helpers)
 from twell_compile.kernels import build
-from twell_compile.testing import cuda_graph_time_ms, make_problem
+from twell_compile.testing import cuda_graph_time_ms, make_problem, marked_block_nnz
 
 INT32_MAX = 2**31 - 1
 CAP = 8
-
-
-def block_nnz(m: int, dense_blocks) -> torch.Tensor:
-    """A block test that marks exactly ``dense_blocks`` dense under thresholds (0, 0, INT32_MAX)."""
-    nnz = torch.zeros(2 * -(-m // 128), dtype=torch.int32, device="cuda")
-    nnz[list(dense_blocks)] = 1
-    return nnz
 
 
 def main() -> None:
@@ -72,7 +65,7 @@ def main() -> None:
         packed = torch.empty((m, tiles_n, CAP), dtype=torch.int32, device="cuda")
         counts = torch.empty((m, tiles_n), dtype=torch.int32, device="cuda")
         backup = torch.empty((m, f), dtype=p.x.dtype, device="cuda")
-        ext.gate_twell_gemm(p.x, p.gate_weight, None, packed, counts, backup, torch.zeros_like(block_nnz(m, ())),
+        ext.gate_twell_gemm(p.x, p.gate_weight, None, packed, counts, backup, marked_block_nnz(m, ()),
                             sms, 2, 256, 0)
         h = (p.x @ p.up_weight.t()).relu_()
         gemms = {  # name: (a, b, c, gate, output columns)
@@ -80,7 +73,7 @@ def main() -> None:
             "gate x up": (p.x, p.up_weight, backup.clone(), (packed, counts), f),
             "down": (h, p.down_weight, torch.empty((m, k), dtype=p.x.dtype, device="cuda"), None, k),
         }
-        one, none = block_nnz(m, (0,)), block_nnz(m, ())
+        one, none = marked_block_nnz(m, (0,)), marked_block_nnz(m, ())
         for name, (a, b, c, gate, n) in gemms.items():
             g_packed, g_counts = gate if gate is not None else (None, None)
             n_tiles = -(-n // 128)

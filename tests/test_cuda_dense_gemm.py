@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers import requires_twell_kernels, twell_to_dense
-from twell_compile.testing import make_problem
+from twell_compile.testing import make_problem, marked_block_nnz
 
 pytestmark = pytest.mark.cuda
 CAP = 8
@@ -39,14 +39,6 @@ def _assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) -
     assert torch.equal(actual.isnan(), nan), f"{what}: NaN in other places"
     mismatch = (_bits(actual) != _bits(expected)) & ~nan
     assert not mismatch.any(), f"{what}: {int(mismatch.sum())} elements differ, first at {mismatch.nonzero()[0].tolist()}"
-
-
-def _block_nnz(m: int, dense_blocks) -> torch.Tensor:
-    """A block test that marks exactly `dense_blocks` dense under thresholds (0, 0, INT32_MAX)."""
-    blocks = -(-m // 128)
-    nnz = torch.zeros(2 * blocks, dtype=torch.int32, device="cuda")
-    nnz[list(dense_blocks)] = 1
-    return nnz
 
 
 def _dense_block_gemm(a, b, bias, c, block_nnz, schedule, gate=None):
@@ -75,8 +67,8 @@ def test_dense_path_gemms_write_eager_products_bitwise(dtype, schedule):
     rows_dense = torch.zeros(M, dtype=torch.bool, device="cuda")
     for blk in DENSE_BLOCKS:
         rows_dense[blk * 128:(blk + 1) * 128] = True
-    all_blocks = _block_nnz(M, range(-(-M // 128)))
-    some_blocks = _block_nnz(M, DENSE_BLOCKS)
+    all_blocks = marked_block_nnz(M, range(-(-M // 128)))
+    some_blocks = marked_block_nnz(M, DENSE_BLOCKS)
 
     # The gate's TwELL output (ping-pong), then up rounded by the same GEMM engine (store epilogue).
     tiles = -(-1000 // 128)
@@ -129,13 +121,13 @@ def test_dense_path_gemms_walk_every_scattered_dense_tile_once(schedule, ctas):
         rows_dense[blk * 128:(blk + 1) * 128] = True
     poison = torch.full((m, 136), float("nan"), dtype=problem.x.dtype, device="cuda")
     everything = _dense_block_gemm(problem.x, problem.up_weight, problem.up_bias, poison.clone(),
-                                   _block_nnz(m, range(94)), "pingpong")
+                                   marked_block_nnz(m, range(94)), "pingpong")
     cluster, tile_m, _ = SCHEDULES[schedule]
     if ctas is None:
         ctas = torch.cuda.get_device_properties(0).multi_processor_count
     out = poison.clone()
     build.cuda_extension().dense_block_gemm(problem.x, problem.up_weight, problem.up_bias, out,
-                                            _block_nnz(m, dense_blocks), None, None, 0, 0, INT32_MAX,
+                                            marked_block_nnz(m, dense_blocks), None, None, 0, 0, INT32_MAX,
                                             ctas - ctas % cluster, cluster, tile_m, 1)
     _assert_same_bits(out[rows_dense], everything[rows_dense], f"store, {schedule}")
     assert out[~rows_dense].isnan().all()
@@ -172,7 +164,7 @@ def test_few_dense_tiles_split_k_by_themselves(epilogue, cluster):
     problem = make_problem(m, k, n, nnz_per_row=20.0, bias=True)
     rows_dense = torch.zeros(m, dtype=torch.bool, device="cuda")
     rows_dense[3 * 128:4 * 128] = True
-    one_block, all_blocks = _block_nnz(m, (3,)), _block_nnz(m, range(16))
+    one_block, all_blocks = marked_block_nnz(m, (3,)), marked_block_nnz(m, range(16))
     # The output's first contents: poison for the store; for gate times up, the gate's backup (the
     # tiles past capacity), beside its TwELL output.
     c0 = torch.full((m, n), float("nan"), dtype=problem.x.dtype, device="cuda")

@@ -39,8 +39,6 @@ def _normal_quantile(p: float) -> float:
     return math.sqrt(2.0) * torch.special.erfinv(torch.tensor(1.0 - 2.0 * p, dtype=torch.float64)).item()
 
 
-
-
 def _density_shift(nnz_per_row: float, intermediate: int) -> float:
     """The row shift (x[:, 0]) that leaves about ``nnz_per_row`` of ``intermediate`` units active."""
     return _normal_quantile(min(max(nnz_per_row / intermediate, 1e-6), 0.999))
@@ -152,6 +150,15 @@ def cuda_graph_time_ms(fn, reps: int, calls: int = 1) -> float:
         for _ in range(calls):
             fn()
     return cuda_time_ms(graph.replay, reps) / calls
+
+
+def marked_block_nnz(m: int, dense_blocks, device: str | torch.device = "cuda") -> Tensor:
+    """Block counts (``block_nnz``, int32 [2 * ceil(m / 128)]) that the dense path's kernels, under
+    thresholds (0, 0, INT32_MAX), read as exactly ``dense_blocks`` dense: for driving
+    ``dense_block_gemm`` without a gate."""
+    nnz = torch.zeros(2 * -(-m // DECISION_ROWS), dtype=torch.int32, device=device)
+    nnz[list(dense_blocks)] = 1
+    return nnz
 
 
 def relative_error(actual: Tensor, expected: Tensor) -> float:

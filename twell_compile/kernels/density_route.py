@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import math
 import threading
 import time
@@ -77,6 +78,7 @@ LEAVE_FRACTION = 0.5
 entering share."""
 
 
+@functools.lru_cache(maxsize=256)  # asked on every routed call; the answer depends on these two alone
 def enter_share(rows: int, size_class: str) -> float:
     """The average dense-block share from which a call of ``rows`` rows of this size class goes to cuBLAS."""
     if size_class == "decode":

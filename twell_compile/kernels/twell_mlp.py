@@ -195,7 +195,7 @@ class KernelConfig:
     route_by_density: bool = os.environ.get("TWELL_ROUTE_BY_DENSITY", "1") != "0"
     """Route a layer's calls below the chunked kernel's sizes to cuBLAS's dense MLP while its earlier calls
     sent enough of their 128-row blocks to the dense path (``density_route.py``: a share that grows with
-    the rows, 5% up to 1024 to 25% from 16384; the reports are read back without a host sync). With
+    the rows, 5% up to 1024 to 75% from 16384; the reports are read back without a host sync). With
     every block dense, the TwELL path took 0.76-0.89x the eager dense MLP at 768-2048 rows and the
     routed calls 1.06-1.07x; sparse calls stayed on TwELL (H100, CUDA graphs, 2026-11-27,
     examples/results/sweep_density_route_h100_2026-11-27.log). Off: the row count alone picks the path,
