@@ -135,8 +135,9 @@ def cuda_time_ms(fn, reps: int, warmup: int = 3) -> float:
 def cuda_graph_time_ms(fn, reps: int, calls: int = 1) -> float:
     """Median time of replaying a CUDA graph of ``calls`` calls of ``fn()``, per call: the kernels without
     their host launches. Each replay is timed alone and waited for, so it also holds the host's launch of
-    the graph (~15 us on an H100 host, 2026-11-28); ``calls`` > 1 spreads that over as many calls, as a
-    model captured whole does over its layers."""
+    the graph (3-5 us of a decode-sized call's time on an H100 host, 2026-11-28; an empty graph's replay
+    took 17-19 us); ``calls`` > 1 spreads that over as many calls, as a model captured whole does over
+    its layers."""
     if calls < 1:
         raise ValueError("calls must be at least 1")
     fn()
