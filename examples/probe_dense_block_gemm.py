@@ -12,8 +12,9 @@ the K split and the caches cost:
     python examples/probe_dense_block_gemm.py --m 1024 2048 4096
 
 Read the ``--flush-l2`` times: ``cuda_graph_time_ms`` times one replay at a time, so without the flush
-each cell also holds the host's ~15 us to launch the graph (H100 host, 2026-11-28); the flush's own time,
-subtracted, holds it too and cancels it.
+each cell also holds the host's launch of the graph, which is what a near-empty graph's replay mostly
+shows (17-19 us on an H100 host, 2026-11-28); the flush's own time, subtracted, holds it too and
+cancels it.
 
 GEMMs: ``up`` (x [M, K] W_up^T, the store epilogue on gate times up's shape), ``gate x up`` (the same
 with the gate's TwELL output applied) and ``down`` (h [M, F] W_down^T, the store). Variants: ``pairs``

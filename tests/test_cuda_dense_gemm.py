@@ -41,15 +41,18 @@ def _assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str) -
     assert not mismatch.any(), f"{what}: {int(mismatch.sum())} elements differ, first at {mismatch.nonzero()[0].tolist()}"
 
 
-def _dense_block_gemm(a, b, bias, c, block_nnz, schedule, gate=None):
+def _dense_block_gemm(a, b, bias, c, block_nnz, schedule, gate=None, ctas=None, k_splits=1):
+    """dense_block_gemm into ``c`` in a SCHEDULES schedule, on its grid unless ``ctas`` is given (None in
+    both: the whole GPU), K split as asked (0: automatic, 1: none)."""
     from twell_compile.kernels import build
 
-    cluster, tile_m, ctas = SCHEDULES[schedule]
+    cluster, tile_m, schedule_ctas = SCHEDULES[schedule]
+    ctas = ctas if ctas is not None else schedule_ctas
     if ctas is None:
         ctas = torch.cuda.get_device_properties(a.device).multi_processor_count
     packed, counts = gate if gate is not None else (None, None)
     build.cuda_extension().dense_block_gemm(a, b, bias, c, block_nnz, packed, counts, 0, 0, INT32_MAX, ctas,
-                                            cluster, tile_m, 1)
+                                            cluster, tile_m, k_splits)
     return c
 
 
@@ -111,8 +114,6 @@ def test_dense_path_gemms_walk_every_scattered_dense_tile_once(schedule, ctas):
     """The dense-path GEMMs walk only the row tiles holding a dense block, found in a bitmap of several
     32-block words: dense blocks scattered over three words (alone or as a pair in a 256-row tile), the
     last block 96 rows long. Each dense row gets the all-dense result's bits, the others keep their poison."""
-    from twell_compile.kernels import build
-
     m = 93 * 128 + 96  # 94 blocks: bitmap words 0-2, the last one partly used
     dense_blocks = (0, 1, 5, 31, 32, 40, 41, 63, 64, 77, 93)
     problem = make_problem(m, 64, 136, nnz_per_row=8.0, bias=True)  # the store epilogue on x @ up.T
@@ -122,26 +123,13 @@ def test_dense_path_gemms_walk_every_scattered_dense_tile_once(schedule, ctas):
     poison = torch.full((m, 136), float("nan"), dtype=problem.x.dtype, device="cuda")
     everything = _dense_block_gemm(problem.x, problem.up_weight, problem.up_bias, poison.clone(),
                                    marked_block_nnz(m, range(94)), "pingpong")
-    cluster, tile_m, _ = SCHEDULES[schedule]
+    cluster = SCHEDULES[schedule][0]
     if ctas is None:
         ctas = torch.cuda.get_device_properties(0).multi_processor_count
-    out = poison.clone()
-    build.cuda_extension().dense_block_gemm(problem.x, problem.up_weight, problem.up_bias, out,
-                                            marked_block_nnz(m, dense_blocks), None, None, 0, 0, INT32_MAX,
-                                            ctas - ctas % cluster, cluster, tile_m, 1)
+    out = _dense_block_gemm(problem.x, problem.up_weight, problem.up_bias, poison.clone(),
+                            marked_block_nnz(m, dense_blocks), schedule, ctas=ctas - ctas % cluster)
     _assert_same_bits(out[rows_dense], everything[rows_dense], f"store, {schedule}")
     assert out[~rows_dense].isnan().all()
-
-
-def _gemm_with_split(a, b, bias, c, block_nnz, cluster, k_splits, gate=None):
-    """dense_block_gemm in ping-pong on the whole GPU, K split as asked (0: automatic)."""
-    from twell_compile.kernels import build
-
-    packed, counts = gate if gate is not None else (None, None)
-    ctas = torch.cuda.get_device_properties(a.device).multi_processor_count
-    build.cuda_extension().dense_block_gemm(a, b, bias, c, block_nnz, packed, counts, 0, 0, INT32_MAX, ctas, cluster,
-                                            128, k_splits)
-    return c
 
 
 @requires_twell_kernels
@@ -177,8 +165,8 @@ def test_few_dense_tiles_split_k_by_themselves(epilogue, cluster):
         gate = (packed, counts)
 
     def run(blocks, k_splits):
-        return _gemm_with_split(problem.x, problem.up_weight, problem.up_bias, c0.clone(), blocks, cluster, k_splits,
-                                gate)
+        return _dense_block_gemm(problem.x, problem.up_weight, problem.up_bias, c0.clone(), blocks,
+                                 "pingpong" if cluster == 1 else "pingpong-pairs", gate, k_splits=k_splits)
 
     adaptive, again = run(one_block, 0), run(one_block, 0)
     requested, whole = run(one_block, 2), run(one_block, 1)
