@@ -164,6 +164,7 @@ struct MlpPlan {
   int64_t ctas = 0;                // the wgmma GEMMs' persistent grid (the SM count)
   int64_t gemm_cluster = 2;        // and their schedules
   int64_t gate_gemm_tile_m = 256;  // the gate GEMM's schedule
+  int64_t gate_gemm_cluster = 2;   // and its own cluster size (single CTAs at some sizes)
   int64_t gemm_tile_m = 128;       // the gate-times-up GEMM's
   int64_t down_gemm_tile_m = 256;
   int64_t gemm_k_splits = 0;       // K ranges per tile (0: chosen per GEMM, 1: none)

@@ -78,6 +78,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("ctas", &twell::MlpPlan::ctas)
       .def_readwrite("gemm_cluster", &twell::MlpPlan::gemm_cluster)
       .def_readwrite("gate_gemm_tile_m", &twell::MlpPlan::gate_gemm_tile_m)
+      .def_readwrite("gate_gemm_cluster", &twell::MlpPlan::gate_gemm_cluster)
       .def_readwrite("gemm_tile_m", &twell::MlpPlan::gemm_tile_m)
       .def_readwrite("down_gemm_tile_m", &twell::MlpPlan::down_gemm_tile_m)
       .def_readwrite("gemm_k_splits", &twell::MlpPlan::gemm_k_splits)

@@ -84,8 +84,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   if (plan.decode_gate) {
     decode_gate_twell(x, w_act, b_act, packed, counts, dense, block_nnz, plan.gemv_cluster);
   } else {
-    gate_twell_gemm(x, w_act, b_act, packed, counts, dense, block_nnz, plan.ctas, plan.gemm_cluster, plan.gate_gemm_tile_m,
-                    plan.gemm_k_splits, counters_at(zeroed, 2 * n_blocks, gate_arrivals));
+    gate_twell_gemm(x, w_act, b_act, packed, counts, dense, block_nnz, plan.ctas, plan.gate_gemm_cluster,
+                    plan.gate_gemm_tile_m, plan.gemm_k_splits, counters_at(zeroed, 2 * n_blocks, gate_arrivals));
   }
   const c10::optional<at::Tensor> x_if_gated = gated ? c10::optional<at::Tensor>(x) : c10::nullopt;
   // Sparse blocks' rows: the chunked kernel, which decides the blocks' paths itself (into `decided`,

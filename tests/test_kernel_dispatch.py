@@ -259,3 +259,46 @@ def test_cublas_rows_are_a_host_side_choice_by_row_count(monkeypatch):
     for bad in ("512", "0-10", "100-65", "a-b"):
         with pytest.raises(ValueError, match="row range"):
             twell_mlp._row_range(bad)
+
+
+def test_gate_runs_ping_pong_in_single_ctas_where_its_waves_waste_less(monkeypatch):
+    """By default (``gate_pingpong_rows`` None, "auto") the gate GEMM runs 128-row ping-pong tiles in
+    single CTAs where cooperative 256-row tiles would leave a thin last wave: on 132 SMs, 2B shape (44
+    tiles across), 769-1152, 1537-1920 and 2305-2688 rows. Every other size keeps ``gate_gemm_tile_m``
+    and ``gemm_cluster``, as do the dense path's GEMMs at every size; a range or "0" overrides."""
+    import types
+
+    from twell_compile.kernels import build
+
+    ext = types.SimpleNamespace(MlpPlan=types.SimpleNamespace, chunked_sparse_fits=lambda *args: True)
+    monkeypatch.setattr(twell_mlp, "_PLANS", {})
+    monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(build, "cuda_extension", lambda: ext)
+    monkeypatch.setattr(twell_mlp.config, "wgmma_kernels", True)
+    monkeypatch.setattr(twell_mlp.config, "gate_pingpong_rows", None)
+    device = torch.device("cuda", 0)
+    assert twell_mlp._auto_or_row_range("auto") is None
+    default = (twell_mlp.config.gate_gemm_tile_m, twell_mlp.config.gemm_cluster)
+
+    def gate(m, f=5632):
+        cuda = twell_mlp.call_plan(m, f, 2048, device).cuda
+        assert cuda.gemm_cluster == twell_mlp.config.gemm_cluster, m  # the dense path's GEMMs
+        return cuda.gate_gemm_tile_m, cuda.gate_gemm_cluster
+
+    pingpong = [m for m in range(257, 8193) if twell_mlp.pingpong_gate_fills_waves_better(m, 5632, 132)]
+    assert (pingpong[0], pingpong[-1], len(pingpong)) == (769, 2688, 3 * 384)
+    assert all(m in pingpong for m in (*range(769, 1153), *range(1537, 1921), *range(2305, 2689)))
+    assert {m: gate(m) for m in (768, 769, 1024, 1152, 1153, 1536, 1792, 2048, 2560, 4096, 131072)} == {
+        768: default, 769: (128, 1), 1024: (128, 1), 1152: (128, 1), 1153: default, 1536: default,
+        1792: (128, 1), 2048: default, 2560: (128, 1), 4096: default, 131072: default}
+    # The 8B shape (112 tiles across): 1024 rows make 448 cooperative tiles, 3.4 waves, against 6.8 of ping-pong.
+    assert gate(1024, 14336) == (128, 1) and gate(1792, 14336) == default
+    # A gate already set to ping-pong keeps its cluster setting.
+    monkeypatch.setattr(twell_mlp.config, "gate_gemm_tile_m", 128)
+    assert twell_mlp.gate_schedule(1024, 5632, 132) == (128, twell_mlp.config.gemm_cluster)
+    monkeypatch.setattr(twell_mlp.config, "gate_gemm_tile_m", 256)
+    monkeypatch.setattr(twell_mlp.config, "gate_pingpong_rows", twell_mlp._auto_or_row_range("3000-3100"))
+    assert twell_mlp.gate_schedule(1024, 5632, 132) == default and twell_mlp.gate_schedule(3072, 5632, 132) == (128, 1)
+    monkeypatch.setattr(twell_mlp.config, "gate_pingpong_rows", twell_mlp._auto_or_row_range("0"))
+    monkeypatch.setattr(twell_mlp, "_PLANS", {})
+    assert gate(1024) == default

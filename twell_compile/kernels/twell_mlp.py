@@ -49,6 +49,11 @@ _PLANS: dict[tuple, "CallPlan"] = {}  # per (rows, intermediate, output features
 _MAX_PLANS = 4096
 
 
+def _auto_or_row_range(text: str) -> tuple[int, int] | None:
+    """``"auto"`` as None, else as ``_row_range``."""
+    return None if text.strip() == "auto" else _row_range(text)
+
+
 def _row_range(text: str) -> tuple[int, int]:
     """``"A-B"`` as (A, B); ``"0"`` or ``""`` as an empty range."""
     if text.strip() in ("", "0"):
@@ -120,6 +125,19 @@ class KernelConfig:
     (bitwise equal to ping-pong); the tile changes hands on mbarriers every thread arrives on, and
     compute-sanitizer's memcheck and racecheck were clean on it (sanitize_h100_2026-11-23_mbarrier.log,
     and again after the early stage release: sanitize_h100_2026-11-25.log)."""
+    gate_pingpong_rows: tuple[int, int] | None = _auto_or_row_range(os.environ.get("TWELL_GATE_PINGPONG_ROWS", "auto"))
+    """Which calls run the gate GEMM as ping-pong 128-row tiles in single CTAs where ``gate_gemm_tile_m``
+    and ``gemm_cluster`` ask for cooperative 256-row tiles in pairs (those still set the dense path's
+    GEMMs). ``None`` (``"auto"``, the default): where ping-pong's waves waste less of the GPU
+    (``pingpong_gate_fills_waves_better``); ``"A-B"``: calls of A to B rows; ``"0"``: none. Whole calls
+    (2B shape, H100, CUDA graphs of 8 calls, no dense block, 2026-11-28,
+    examples/results/ab_gate_pingpong_1024_h100_2026-11-28.log and ab_gate_pingpong_rows_h100_2026-11-28.log),
+    ping-pong against cooperative in two alternating rounds: 1024 rows 88.4-90.4 against 93.0-95.1 us at
+    24 active units per row, 111.3-111.6 against 112.4-114.2 at 40; 1792 rows 135.0-135.9 against
+    140.9-142.2 at 24, 163.9-169.4 against 171.0-171.8 at 40; 2560 rows 189.0-191.4 against 194.2-196.9,
+    227.0-227.9 against 237.8-238.9; 3328 rows 242.1-243.4 against 246.9-248.6, 295.3-296.9 against
+    298.5-298.7. The gate alone (bench_gate_gemm.py, same day) was level or slower as ping-pong where
+    both schedules fill their waves alike (768, 1280, 1536, 2048, 4608 rows; 8B shape: 512, 768, 1792)."""
     gemm_tile_m: int = int(os.environ.get("TWELL_GEMM_TILE_M", "256"))
     """The gate-times-up GEMM's schedule (dense path). 128: ping-pong (128 x 128 tiles, each consumer
     warpgroup's epilogue hidden behind the other's MMAs); 256: cooperative and staged (256 x 128 tiles,
@@ -514,7 +532,7 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     cuda.decode_gate, cuda.decode_dense = _decode_gate(m), _decode_dense(m)
     cuda.gemv_cluster = config.decode_gemv_cluster
     cuda.ctas, cuda.gemm_cluster = sms, config.gemm_cluster
-    cuda.gate_gemm_tile_m = config.gate_gemm_tile_m
+    cuda.gate_gemm_tile_m, cuda.gate_gemm_cluster = gate_schedule(m, f, sms)
     route_class = _route_class(m, launch, chunked)
     cuda.gemm_tile_m, cuda.down_gemm_tile_m = _dense_path_tiles(route_class)
     cuda.gemm_k_splits = config.gemm_k_splits
@@ -524,6 +542,40 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     cuda.poison, cuda.poison_word, cuda.poison_count = config.poison_buffers, _POISON_WORD, _POISON_COUNT
     # A chunked call returns the chunked kernel's decision per block (1: dense) instead of block_nnz.
     return CallPlan(CHUNKED_DECISION_THRESHOLDS if chunked else thresholds, plan, cuda, route_class=route_class)
+
+
+PINGPONG_GATE_TILE_COST = 1.08
+"""The time of a 128-row ping-pong gate tile over half that of a cooperative 256-row tile, where both
+schedules fill their waves alike: ping-pong was 4-8% slower on the whole gate GEMM there (H100,
+bench_gate_gemm.py, 2026-11-28: 2B shape at 1280, 1536 and 4608 rows, 8B shape at 512 and 1792)."""
+PINGPONG_GATE_MIN_GAIN = 0.03
+"""Ping-pong is chosen only where the wave count promises at least this share off the gate: the tile
+cost above is good to a few percent, and after many waves the last one hardly matters."""
+
+
+def gate_schedule(m: int, f: int, ctas: int) -> tuple[int, int]:
+    """(tile rows, CTAs per cluster) of the wgmma gate GEMM for a call of ``m`` rows and ``f`` gate
+    units on ``ctas`` SMs: ping-pong in single CTAs where ``config.gate_pingpong_rows`` says, else
+    ``gate_gemm_tile_m`` and ``gemm_cluster``. The schedules give the same bits."""
+    rows = config.gate_pingpong_rows
+    pingpong = pingpong_gate_fills_waves_better(m, f, ctas) if rows is None else rows[0] <= m <= rows[1]
+    return (128, 1) if pingpong else (config.gate_gemm_tile_m, config.gemm_cluster)
+
+
+def pingpong_gate_fills_waves_better(m: int, f: int, ctas: int) -> bool:
+    """Whether the gate GEMM, set to cooperative 256-row tiles, should run ping-pong 128-row tiles
+    instead, by a count of waves: the persistent grid takes its tiles in waves of ``ctas``, the last
+    one part full, and a ping-pong tile costs ``PINGPONG_GATE_TILE_COST`` halves of a cooperative one.
+    1024 rows of the 2B gate (44 tiles across) make 176 cooperative tiles on 132 SMs, two waves of which
+    the second is a third full, against three nearly full waves of 352 ping-pong tiles. Only where the
+    cooperative schedule would run (its tiles fill the grid: csrc/twell_entries.h, cooperative_schedule)."""
+    tiles_n = -(-f // 128)
+    cooperative_tiles = -(-m // 256) * tiles_n
+    if config.gate_gemm_tile_m != 256 or cooperative_tiles < ctas:
+        return False
+    cooperative_waves = -(-cooperative_tiles // ctas)
+    pingpong_waves = -(-(-(-m // 128) * tiles_n) // ctas)
+    return pingpong_waves * PINGPONG_GATE_TILE_COST < (1 - PINGPONG_GATE_MIN_GAIN) * 2 * cooperative_waves
 
 
 def _chunked(m: int, f: int, d: int, launch: SparseLaunch) -> bool:
@@ -671,8 +723,9 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
         ext.decode_gate_twell(x2, act_weight, act_bias, packed, counts, dense, block_nnz,
                               config.decode_gemv_cluster)
     elif cuda_gate:
-        ext.gate_twell_gemm(x2, act_weight, act_bias, packed, counts, dense, block_nnz, sms, config.gemm_cluster,
-                            config.gate_gemm_tile_m, config.gemm_k_splits)
+        gate_tile_m, gate_cluster = gate_schedule(m, f, sms)
+        ext.gate_twell_gemm(x2, act_weight, act_bias, packed, counts, dense, block_nnz, sms, gate_cluster,
+                            gate_tile_m, config.gemm_k_splits)
     else:
         _triton_gate(plan, x2, act_weight, act_bias, packed, counts, dense, block_nnz, n_tiles)
 
