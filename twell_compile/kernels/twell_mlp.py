@@ -569,7 +569,7 @@ def pingpong_gate_fills_waves_better(m: int, f: int, ctas: int) -> bool:
     1024 rows of the 2B gate (44 tiles across) make 176 cooperative tiles on 132 SMs, two waves of which
     the second is a third full, against three nearly full waves of 352 ping-pong tiles. Only where the
     cooperative schedule would run (its tiles fill the grid: csrc/twell_entries.h, cooperative_schedule)."""
-    tiles_n = -(-f // 128)
+    tiles_n = -(-f // 128)  # the wgmma GEMMs' N tile (and the TwELL tile)
     cooperative_tiles = -(-m // 256) * tiles_n
     if config.gate_gemm_tile_m != 256 or cooperative_tiles < ctas:
         return False
