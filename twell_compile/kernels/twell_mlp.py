@@ -133,10 +133,11 @@ class KernelConfig:
     (2B shape, H100, CUDA graphs of 8 calls, no dense block, 2026-11-28,
     examples/results/ab_gate_pingpong_1024_h100_2026-11-28.log and ab_gate_pingpong_rows_h100_2026-11-28.log),
     ping-pong against cooperative in two alternating rounds: 1024 rows 88.4-90.4 against 93.0-95.1 us at
-    24 active units per row, 111.3-111.6 against 112.4-114.2 at 40; 1792 rows 135.0-135.9 against
-    140.9-142.2 at 24, 163.9-169.4 against 171.0-171.8 at 40; 2560 rows 189.0-191.4 against 194.2-196.9,
-    227.0-227.9 against 237.8-238.9; 3328 rows 242.1-243.4 against 246.9-248.6, 295.3-296.9 against
-    298.5-298.7. The gate alone (bench_gate_gemm.py, same day) was level or slower as ping-pong where
+    24 active units per row, 111.3-111.6 against 112.4-114.2 at 40. With ping-pong forced at every size:
+    1792 rows 135.0-135.9 against 140.9-142.2 at 24, 163.9-169.4 against 171.0-171.8 at 40; 2560 rows
+    189.0-191.4 against 194.2-196.9, 227.0-227.9 against 237.8-238.9; 3328 rows 242.1-243.4 against
+    246.9-248.6, 295.3-296.9 against 298.5-298.7 (the wave count promises 2.6% there, so the rule keeps
+    it cooperative). The gate alone (bench_gate_gemm.py, same day) was level or slower as ping-pong where
     both schedules fill their waves alike (768, 1280, 1536, 2048, 4608 rows; 8B shape: 512, 768, 1792)."""
     gemm_tile_m: int = int(os.environ.get("TWELL_GEMM_TILE_M", "256"))
     """The gate-times-up GEMM's schedule (dense path). 128: ping-pong (128 x 128 tiles, each consumer
