@@ -69,6 +69,25 @@ def test_a_partly_dense_layer_goes_where_its_row_count_pays(m, dense_blocks, pat
 
 
 @requires_twell_kernels
+@pytest.mark.parametrize(("nnz", "path"), [(40.0, "cublas"), (28.0, "twell")], ids=["nnz40", "nnz28"])
+def test_a_call_with_a_thin_sparse_wave_goes_to_cublas_from_a_lower_density(nnz, path):
+    """Where the sparse kernel's second wave would be thin (8.5 rows per SM; a CTA per row, 8 CTAs an SM),
+    40 active units per row go to cuBLAS though no block is dense by the kernels' own test (0.75%, 42
+    units); 28 stay on TwELL (config.thin_wave_route_density, 0.62%)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m = 8 * sms + sms // 2
+    assert twell_mlp.thin_sparse_wave(m, 2048, sms, twell_mlp.sparse_launch(m, 2048, sms, True))
+    problem = make_problem(m, 2048, 5632, nnz_per_row=nnz, bias=True)
+    with twell_compile.record_sparsity() as rec:
+        out, expected = _call(problem, True)
+    (first,) = rec.calls()
+    assert first.path == "twell" and first.dense_blocks == 0, first
+    assert relative_error(out, expected) < 1e-2
+    paths = [_path_of_call(problem, True) for _ in range(3)]
+    assert paths[-1] == path, paths
+
+
+@requires_twell_kernels
 def test_a_sparse_layer_stays_on_twell():
     problem = make_problem(1024, 2048, 5632, nnz_per_row=24.0, bias=True)
     assert {_path_of_call(problem, True) for _ in range(20)} == {"twell"}

@@ -262,3 +262,53 @@ def test_activation_dense_blocks_make_the_kernels_test():
     nnz = torch.tensor([640, 256, 172], dtype=torch.int32)
     over = torch.tensor([0, 0, 4], dtype=torch.int32)
     assert twell_mlp.block_dense(torch.cat([nnz, over]), (300, 150, 3)).tolist() == [True, False, True]
+
+
+def test_thin_sparse_waves_on_132_sms():
+    """The row-by-row sparse kernel runs 8 CTAs of one row each per SM: 1056 rows fill a wave on 132 SMs,
+    and up to 1188 rows the second wave is at most an eighth full."""
+    def thin(m, d=2048):
+        return twell_mlp.thin_sparse_wave(m, d, 132, twell_mlp.sparse_launch(m, d, 132, True))
+
+    assert [m for m in range(129, 4097) if thin(m)] == list(range(1057, 1189))
+    assert not thin(1152, d=4096)  # four column groups a thread: residency not fixed by the kernel
+    assert not twell_mlp.thin_sparse_wave(64, 2048, 132, twell_mlp.sparse_launch(64, 2048, 132, True))
+
+
+def test_thin_waves_route_from_a_lower_density(recording_extension, monkeypatch):
+    device = torch.device("cuda", 0)
+    kernels = twell_mlp._dense_thresholds(1152, 5632, False)
+    plan = twell_mlp.call_plan(1152, 5632, 2048, device)
+    assert plan.thresholds == kernels and plan.route_class == "small"
+    assert plan.route_thresholds == (int(128 * 5632 * 0.0062), int(128 * 5632 * 0.0062), kernels[2])
+    assert plan.route_thresholds[0] < kernels[0]  # 34.9 against 42.1 active units per row
+    for m in (1024, 1280, 4096, 32768):  # full enough waves, or chunked (not routed)
+        assert twell_mlp.call_plan(m, 5632, 2048, device).route_thresholds is None
+    monkeypatch.setattr(twell_mlp.config, "thin_wave_route_density", 0.0)
+    assert twell_mlp.call_plan(1152, 5632, 2048, device).route_thresholds is None
+    monkeypatch.setattr(twell_mlp.config, "thin_wave_route_density", 0.5)  # never above the kernels' test
+    assert twell_mlp.call_plan(1152, 5632, 2048, device).route_thresholds is None
+
+
+@pytest.mark.parametrize("route_density", [0.0062, 0.0], ids=["thin-wave-test", "kernels-test"])
+def test_reports_of_thin_wave_calls_count_blocks_by_the_route_test(recording_extension, monkeypatch, route_density):
+    """A 1152-row call at 36 active units per row: no block is dense for the kernels (42 units a row), but
+    each is for the route, so both the TwELL path's and the cuBLAS route's reports count all nine."""
+    monkeypatch.setattr(twell_mlp.config, "thin_wave_route_density", route_density)
+    m, f, k = 1152, 5632, 32
+    weight, down = torch.randn(f, k, dtype=torch.bfloat16), torch.randn(k, f, dtype=torch.bfloat16)
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    blocks = m // 128
+    block_nnz = torch.cat([torch.full((blocks,), 36 * 128, dtype=torch.int32), torch.zeros(blocks, dtype=torch.int32)])
+    monkeypatch.setattr(recording_extension, "mlp_forward", lambda *args: (
+        x.new_zeros(m, k), torch.zeros(m, 44, dtype=torch.int32), block_nnz))
+    twell_mlp.twell_mlp(x, weight, None, weight, None, down, None)
+    expected = 1.0 if route_density else 0.0
+    assert twell_mlp.ROUTER.share(weight, "small") == expected
+
+    act = torch.zeros(m, f, dtype=torch.bfloat16)
+    act[:, torch.arange(36) * 128] = 1.0  # one unit in each of 36 tiles: none past capacity
+    monkeypatch.setattr(recording_extension, "cublas_mlp", lambda *args: (x.new_zeros(m, k), act))
+    other = torch.randn(f, k, dtype=torch.bfloat16)  # a second layer, reporting from the cuBLAS route
+    twell_mlp._cublas_mlp(x, other, None, other, None, down, None, report=twell_mlp.call_plan(m, f, k, x.device))
+    assert twell_mlp.ROUTER.share(other, "small") == expected

@@ -20,7 +20,10 @@ its class's average reaches ``enter_share`` of its row count, and a routed class
 TwELL once it falls below half of that (hysteresis, so a layer near the boundary does not flip every
 call). The threshold grows with the row count: at 768-2048 rows a call with any dense block pays for the
 dense path's GEMMs about as much as one whose blocks are all dense, and loses to cuBLAS; at 16384 rows
-the paths cross at about three quarters of the blocks dense (``ENTER_SHARES``). Reports are sampled:
+the paths cross at about three quarters of the blocks dense (``ENTER_SHARES``). Where the row-by-row
+sparse kernel would run a thin last wave, the reports count a block as dense from a lower density than
+the kernels' own test (``twell_mlp.thin_sparse_wave``, ``config.thin_wave_route_density``): there a call
+with no dense block still lost to cuBLAS at 36-40 active units per row. Reports are sampled:
 the first ``FIRST_REPORTS`` calls of a class, then one call in ``config.route_report_every``.
 
 A layer is its activated projection's weight (the gate's, or the up projection's where non-gated),

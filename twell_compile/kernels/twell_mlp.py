@@ -219,6 +219,17 @@ class KernelConfig:
     routed calls 1.06-1.07x; sparse calls stayed on TwELL (H100, CUDA graphs, 2026-11-27,
     examples/results/sweep_density_route_h100_2026-11-27.log). Off: the row count alone picks the path,
     and a layer's results never change route."""
+    thin_wave_route_density: float = float(os.environ.get("TWELL_THIN_WAVE_ROUTE_DENSITY", "0.0062"))
+    """Routing by density (``route_by_density``) also counts a block as going dense from this fraction of
+    active units (0.62%, 35 of 5632) where the row-by-row sparse kernel would run a thin last wave
+    (``thin_sparse_wave``: two waves, the second at most an eighth full; 1057-1188 rows on 132 SMs at
+    the 2B shape). There a call with no dense block at all still lost to the cuBLAS MLP: at 1152 rows,
+    40 active units per row, 127.0 against 116.7 us (1.09x its time) and 120.3 against 117.4 at 36,
+    while 32 units took 0.97x (H200, CUDA graphs of 8 calls, 2026-11-28,
+    examples/results/sweep_route_share_band_h200_2026-11-28.log); on an H100, 1.12x at 40 units. At
+    1280 rows (a fifth-full second wave) 40 units were level (0.99x) and 36 ahead (0.95x), and 1024 and
+    1408-1536 rows were ahead, so only the thinnest waves count this way. The kernels' own dense-block
+    test is unchanged; 0 switches this off."""
     route_report_every: int = int(os.environ.get("TWELL_ROUTE_REPORT_EVERY", "32"))
     """After a layer's first calls of a size class, one call in this many reports its dense-block share
     for ``route_by_density`` (a reduction and a 4-byte copy to pinned memory, read at a later call)."""
@@ -336,6 +347,26 @@ def sparse_launch(m: int, d: int, sms: int, vec8: bool) -> SparseLaunch:
     return SparseLaunch(threads, _column_splits(m, d, sms, vec8), 1)
 
 
+SPARSE_CTAS_PER_SM = 8
+"""CTAs of the row-by-row sparse kernel resident per SM past decode sizes: 128 threads, at most two
+column groups of 8 per thread (csrc/twell_sparse_mlp.cu, kSparseMinBlocks). Other launches' occupancy
+is not fixed by the kernel's bounds."""
+THIN_WAVE_FILL = 1 / 8
+"""A sparse kernel's last wave at most this full is thin (``thin_sparse_wave``)."""
+
+
+def thin_sparse_wave(m: int, d: int, sms: int, launch: SparseLaunch) -> bool:
+    """Whether the row-by-row sparse kernel, launched as ``launch`` on ``sms`` SMs for ``m`` rows of ``d``
+    output columns (16-byte rows), runs two waves of CTAs of which the second is at most
+    ``THIN_WAVE_FILL`` full: a call of 1152 rows on 132 SMs runs 1056 rows, then 96 on a nearly idle GPU,
+    each CTA paced by its own row's entries. Only launches whose residency is fixed
+    (``SPARSE_CTAS_PER_SM``) are judged."""
+    if launch.entry_split or launch.threads != 128 or -(-d // launch.splits) > 2 * 128 * 8:
+        return False
+    wave = SPARSE_CTAS_PER_SM * sms
+    return wave < m * launch.splits <= wave * (1 + THIN_WAVE_FILL)
+
+
 def _tma_ok(*tensors: Tensor) -> bool:
     """TMA (the wgmma GEMMs always, the Triton kernels when ``config.tma``) needs 16-byte aligned bases
     and row strides."""
@@ -370,12 +401,30 @@ def _dense_thresholds(m: int, f: int, entry_split: bool, chunked: bool = False) 
         "large": config.dense_block_density,
     }[threshold_class(m, entry_split, chunked)]
 
+    return _thresholds_at(m, f, density)
+
+
+def _thresholds_at(m: int, f: int, density: float) -> tuple[int, int, int]:
+    """block_dense's thresholds for a call of ``m`` rows and ``f`` units at this dense-block density."""
     def threshold(rows: int) -> int:
         limit = rows * f * density
         return 2**31 - 1 if limit >= 2**31 - 1 else int(limit)
 
     last_rows = m - DECISION_ROWS * ((m - 1) // DECISION_ROWS)
     return threshold(DECISION_ROWS), threshold(last_rows), min(config.heavy_block_overflow_tiles, 2**31 - 1)
+
+
+def _route_thresholds(m: int, f: int, d: int, sms: int, launch: SparseLaunch,
+                      thresholds: tuple[int, int, int]) -> tuple[int, int, int] | None:
+    """The test by which a routed call's reports count a block as dense, where it differs from the
+    kernels' ``thresholds``: from ``config.thin_wave_route_density`` where the sparse kernel would run
+    a thin last wave (``thin_sparse_wave``). None: the kernels' test."""
+    density = config.thin_wave_route_density
+    if density <= 0 or d % 8 or not thin_sparse_wave(m, d, sms, launch):
+        return None
+    lower = _thresholds_at(m, f, density)
+    route = (min(thresholds[0], lower[0]), min(thresholds[1], lower[1]), thresholds[2])
+    return None if route == thresholds else route
 
 
 def block_dense(block_stats: Tensor, thresholds: tuple[int, int, int]) -> Tensor:
@@ -497,6 +546,7 @@ class CallPlan:
     cuda: object | None  # the extension's MlpPlan for the one-call path; None where settings rule it out
     cublas: bool = False  # the dense MLP through cuBLAS instead of a TwELL path (config.cublas_rows)
     route_class: str | None = None  # the size class for routing by density; None: the call is not routed
+    route_thresholds: tuple[int, int, int] | None = None  # its reports' dense-block test, if not `thresholds`
 
 
 def _route_class(m: int, launch: SparseLaunch, chunked: bool) -> str | None:
@@ -524,8 +574,10 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     sms = _num_sms(device)
     launch = sparse_launch(m, d, sms, d % 8 == 0)  # aligned rows: 16-byte rows everywhere but maybe out's
     thresholds = _dense_thresholds(m, f, launch.entry_split)
+    route_thresholds = _route_thresholds(m, f, d, sms, launch, thresholds)
     if not (config.wgmma_kernels and _cuda_tiles(plan)):
-        return CallPlan(thresholds, plan, None, route_class=_route_class(m, launch, False))
+        return CallPlan(thresholds, plan, None, route_class=_route_class(m, launch, False),
+                        route_thresholds=route_thresholds)
     chunked = _chunked(m, f, d, launch)
     kernel_thresholds = _dense_thresholds(m, f, launch.entry_split, chunked) if chunked else thresholds
     cuda = build.cuda_extension().MlpPlan()
@@ -542,7 +594,8 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     cuda.thr_full, cuda.thr_last, cuda.thr_heavy = kernel_thresholds
     cuda.poison, cuda.poison_word, cuda.poison_count = config.poison_buffers, _POISON_WORD, _POISON_COUNT
     # A chunked call returns the chunked kernel's decision per block (1: dense) instead of block_nnz.
-    return CallPlan(CHUNKED_DECISION_THRESHOLDS if chunked else thresholds, plan, cuda, route_class=route_class)
+    return CallPlan(CHUNKED_DECISION_THRESHOLDS if chunked else thresholds, plan, cuda, route_class=route_class,
+                    route_thresholds=None if route_class is None else route_thresholds)
 
 
 PINGPONG_GATE_TILE_COST = 1.08
@@ -649,7 +702,8 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     if recorder is not None or report:
         dense_blocks = block_dense(block_nnz, thresholds)
         if report:
-            ROUTER.report(act_weight, plan.route_class, dense_blocks.sum(dtype=torch.int32), dense_blocks.numel())
+            route_dense = dense_blocks if plan.route_thresholds is None else block_dense(block_nnz, plan.route_thresholds)
+            ROUTER.report(act_weight, plan.route_class, route_dense.sum(dtype=torch.int32), route_dense.numel())
         if recorder is not None:
             recorder.add("gated_relu_mlp" if gated else "relu_mlp", counts.sum(1), f,
                          overflow_rows=(counts > cap).any(1), block_dense=dense_blocks, path="twell")
@@ -683,7 +737,8 @@ def _cublas_mlp(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weig
         return out
     active = stats.active_units(act)
     if report is not None:
-        dense_blocks = _activation_dense_blocks(active, report.thresholds, report.gate.cap, report.gate.tile_n)
+        dense_blocks = _activation_dense_blocks(active, report.route_thresholds or report.thresholds, report.gate.cap,
+                                                report.gate.tile_n)
         ROUTER.report(act_weight, report.route_class, dense_blocks, -(-act.shape[0] // DECISION_ROWS))
     if recorder is not None:
         m, f = act.shape
