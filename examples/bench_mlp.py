@@ -37,9 +37,10 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["uniform", "skewed"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--json", default=None, help="write all results to this file")
-    parser.add_argument("--graph-calls", type=int, default=1,
+    parser.add_argument("--graph-calls", type=int, default=8,
                         help="calls captured in each timed CUDA graph (times are per call): more spread the "
-                             "graph's launch, which a replay timed alone includes, over them")
+                             "graph's launch, which a replay timed alone includes, over them, as a model "
+                             "captured whole does")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     k, f = args.hidden, args.intermediate
@@ -66,8 +67,9 @@ def main() -> None:
                 t_compiled = cuda_time_ms(lambda: compiled_dense(x, wg, wu, wd), reps)
                 t_gate = cuda_time_ms(lambda: F.linear(x, wg), reps)
                 t_twell = cuda_time_ms(lambda: torch.ops.twell.gated_relu_mlp(x, wg, wu, wd), reps)
-                # Small batches are launch-bound in eager mode; CUDA graphs (mode="reduce-overhead") show the kernels.
-                graphed = m <= 4096
+                # Small batches are launch-bound in eager mode, and up to 16384 rows the op's host time before
+                # its first launch still shows; CUDA graphs (mode="reduce-overhead") show the kernels.
+                graphed = m <= 16384
                 calls = args.graph_calls
                 t_dense_graph = cuda_graph_time_ms(lambda: dense_mlp(x, wg, wu, wd), reps, calls) if graphed else None
                 t_twell_graph = (cuda_graph_time_ms(lambda: torch.ops.twell.gated_relu_mlp(x, wg, wu, wd), reps, calls)
