@@ -29,8 +29,7 @@ def dense_blocks_share(x, wg, m: int) -> float:
     """The share of blocks the TwELL path sends dense, by the router's test on the dense activation."""
     plan = twell_mlp.call_plan(m, wg.shape[0], x.shape[1], x.device)
     active = stats.active_units(x @ wg.t())
-    thresholds = plan.route_thresholds or plan.thresholds  # what the router counts (thin sparse waves: more)
-    dense = twell_mlp._activation_dense_blocks(active, thresholds, plan.gate.cap, plan.gate.tile_n)
+    dense = twell_mlp._activation_dense_blocks(active, plan.report_thresholds, plan.gate.cap, plan.gate.tile_n)
     return int(dense) / -(-m // DECISION_ROWS)
 
 

@@ -272,6 +272,7 @@ def test_thin_sparse_waves_on_132_sms():
 
     assert [m for m in range(129, 4097) if thin(m)] == list(range(1057, 1189))
     assert not thin(1152, d=4096)  # four column groups a thread: residency not fixed by the kernel
+    assert not thin(1152, d=2044)  # rows not 16 bytes: one element per access, other launches
     assert not twell_mlp.thin_sparse_wave(64, 2048, 132, twell_mlp.sparse_launch(64, 2048, 132, True))
 
 

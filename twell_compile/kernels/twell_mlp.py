@@ -357,11 +357,11 @@ THIN_WAVE_FILL = 1 / 8
 
 def thin_sparse_wave(m: int, d: int, sms: int, launch: SparseLaunch) -> bool:
     """Whether the row-by-row sparse kernel, launched as ``launch`` on ``sms`` SMs for ``m`` rows of ``d``
-    output columns (16-byte rows), runs two waves of CTAs of which the second is at most
-    ``THIN_WAVE_FILL`` full: a call of 1152 rows on 132 SMs runs 1056 rows, then 96 on a nearly idle GPU,
-    each CTA paced by its own row's entries. Only launches whose residency is fixed
-    (``SPARSE_CTAS_PER_SM``) are judged."""
-    if launch.entry_split or launch.threads != 128 or -(-d // launch.splits) > 2 * 128 * 8:
+    output columns, runs two waves of CTAs of which the second is at most ``THIN_WAVE_FILL`` full: a
+    call of 1152 rows on 132 SMs runs 1056 rows, then 96 on a nearly idle GPU, each CTA paced by its own
+    row's entries. Only launches whose residency is fixed (``SPARSE_CTAS_PER_SM``: 16-byte rows, so
+    ``d % 8 == 0``, and at most two column groups a thread) are judged."""
+    if d % 8 or launch.entry_split or launch.threads != 128 or -(-d // launch.splits) > 2 * 128 * 8:
         return False
     wave = SPARSE_CTAS_PER_SM * sms
     return wave < m * launch.splits <= wave * (1 + THIN_WAVE_FILL)
@@ -420,7 +420,7 @@ def _route_thresholds(m: int, f: int, d: int, sms: int, launch: SparseLaunch,
     kernels' ``thresholds``: from ``config.thin_wave_route_density`` where the sparse kernel would run
     a thin last wave (``thin_sparse_wave``). None: the kernels' test."""
     density = config.thin_wave_route_density
-    if density <= 0 or d % 8 or not thin_sparse_wave(m, d, sms, launch):
+    if density <= 0 or not thin_sparse_wave(m, d, sms, launch):
         return None
     lower = _thresholds_at(m, f, density)
     route = (min(thresholds[0], lower[0]), min(thresholds[1], lower[1]), thresholds[2])
@@ -547,6 +547,11 @@ class CallPlan:
     cublas: bool = False  # the dense MLP through cuBLAS instead of a TwELL path (config.cublas_rows)
     route_class: str | None = None  # the size class for routing by density; None: the call is not routed
     route_thresholds: tuple[int, int, int] | None = None  # its reports' dense-block test, if not `thresholds`
+
+    @property
+    def report_thresholds(self) -> tuple[int, int, int]:
+        """The dense-block test of a routed call's reports (``thresholds`` unless ``route_thresholds``)."""
+        return self.route_thresholds or self.thresholds
 
 
 def _route_class(m: int, launch: SparseLaunch, chunked: bool) -> str | None:
@@ -737,8 +742,7 @@ def _cublas_mlp(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weig
         return out
     active = stats.active_units(act)
     if report is not None:
-        dense_blocks = _activation_dense_blocks(active, report.route_thresholds or report.thresholds, report.gate.cap,
-                                                report.gate.tile_n)
+        dense_blocks = _activation_dense_blocks(active, report.report_thresholds, report.gate.cap, report.gate.tile_n)
         ROUTER.report(act_weight, report.route_class, dense_blocks, -(-act.shape[0] // DECISION_ROWS))
     if recorder is not None:
         m, f = act.shape
