@@ -83,3 +83,9 @@ def test_save_outputs_compare(tmp_path):
     result = subprocess.run([sys.executable, str(EXAMPLES / "save_outputs.py"), "compare", str(tmp_path / "a.pt"),
                              str(tmp_path / "b.pt")], capture_output=True, text=True, timeout=600)
     assert result.returncode == 1 and "DIFFERENT" in result.stdout, result.stdout + result.stderr
+
+
+def test_fuzz_kernels_on_the_reference_path():
+    out = run_example("fuzz_kernels.py", "--device", "cpu", "--cases", "25", "--max-rows", "200", "--seed", "7")
+    assert "25 cases in" in out and "25 passed" in out and "0 failed" in out, out[-2000:]
+    assert "reference                    reference" in out  # the coverage table

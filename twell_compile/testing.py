@@ -166,3 +166,37 @@ def relative_error(actual: Tensor, expected: Tensor) -> float:
     """``||actual - expected|| / ||expected||`` in float64 (NaN if anything is NaN)."""
     a, e = actual.double(), expected.double()
     return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
+
+
+def _normalized_errors(actual: Tensor, expected: Tensor) -> Tensor:
+    """|actual - expected| / (|expected| + the row's RMS of expected), in float64: an element's error on
+    the scale of its row, so that elements near zero are not held to a relative bound they cannot meet
+    and rows whose reference is all zeros must come out (nearly) zero."""
+    a, e = actual.double(), expected.double()
+    e2 = e.reshape(-1, e.shape[-1]) if e.dim() > 0 else e.reshape(1, 1)
+    a2 = a.reshape(e2.shape)
+    row_rms = e2.pow(2).mean(dim=1, keepdim=True).sqrt()
+    floor = 1e-6 * e2.pow(2).mean().sqrt().clamp_min(1e-30)  # rows of zeros: on the output's scale
+    return (a2 - e2).abs() / (e2.abs() + row_rms + floor)
+
+
+def worst_element(actual: Tensor, expected: Tensor, dense_same_dtype: Tensor) -> tuple[float, float, tuple[int, int]]:
+    """The largest element error on its row's scale (``_normalized_errors``) of ``actual`` and of the
+    dense MLP in the same dtype, against the float64 ``expected``, and where ``actual``'s is (row, column).
+
+    A relative Frobenius norm over a whole call hides a few wrong rows in a large one (one garbage row of
+    131072 moves it by about 0.3%); this does not. NaN where anything is NaN."""
+    if actual.numel() == 0:
+        return 0.0, 0.0, (0, 0)
+    ours = _normalized_errors(actual, expected)
+    dense = _normalized_errors(dense_same_dtype, expected)
+    flat = int(torch.nan_to_num(ours, nan=float("inf")).argmax())
+    where = divmod(flat, ours.shape[1])
+    return ours.max().item() if not ours.isnan().any() else float("nan"), dense.max().item(), where
+
+
+def elementwise_bound(dense_worst: float, dtype: torch.dtype) -> float:
+    """How large ``worst_element`` may be for a kernel: 4x the dense same-dtype MLP's worst element, plus
+    twice the dtype's rounding unit (a kernel sums in another order, and rounds h and the output once
+    each, as eager does)."""
+    return 4.0 * dense_worst + 2.0 * torch.finfo(dtype).eps
