@@ -34,7 +34,6 @@ last line names the case), so any case reruns alone: ``--case-seed N``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -47,7 +46,7 @@ import torch
 import twell_compile  # noqa: F401  (registers torch.ops.twell)
 from twell_compile import reference, stats
 from twell_compile.kernels import twell_mlp
-from twell_compile.testing import elementwise_bound, make_problem, relative_error, worst_element
+from twell_compile.testing import elementwise_bound, kernel_config, make_problem, relative_error, worst_element
 
 # (hidden, intermediate) of real models with ReLU-able MLPs, and the 2B shape of the issue.
 MODEL_SHAPES = [
@@ -194,18 +193,6 @@ def draw_case(seed: int, max_rows: int, device: str, focus: str = "all") -> Case
     return case
 
 
-@contextlib.contextmanager
-def kernel_settings(overrides: dict):
-    saved = {k: getattr(twell_mlp.config, k) for k in overrides}
-    try:
-        for k, v in overrides.items():
-            setattr(twell_mlp.config, k, v)
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(twell_mlp.config, k, v)
-
-
 def _lay_out(x: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == "3d" and x.shape[0] % 2 == 0:
         return x.reshape(2, x.shape[0] // 2, x.shape[1])
@@ -277,7 +264,7 @@ def check_case(case: Case, device: str) -> tuple[bool, str, dict]:
                     f"(dense same-dtype worst {dense_worst:.3e}, bound {elementwise_bound(dense_worst, dtype):.3e})")
         return None
 
-    with kernel_settings({"poison_buffers": True, **case.config}):
+    with kernel_config(**{"poison_buffers": True, **case.config}):
         try:
             info["launch"] = launch_kind(case, x_in, device)
             for i in range(case.calls):

@@ -16,9 +16,9 @@ import torch
 
 import twell_compile
 from helpers import requires_twell_kernels
-from test_cuda_kernels import ADVERSARIAL, PATHS, _check, _run, kernel_config
+from test_cuda_kernels import ADVERSARIAL, _check, _run
 from twell_compile.kernels import build, twell_mlp
-from twell_compile.testing import _normal_quantile, make_problem
+from twell_compile.testing import _normal_quantile, kernel_config, make_problem
 
 pytestmark = pytest.mark.cuda
 

@@ -7,7 +7,6 @@ dense MLP computed by PyTorch in the same dtype, over the whole output and eleme
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -15,23 +14,9 @@ import torch
 import twell_compile  # noqa: F401
 from twell_compile import reference
 from helpers import requires_twell_kernels
-from twell_compile.testing import elementwise_bound, make_problem, relative_error, worst_element
+from twell_compile.testing import elementwise_bound, kernel_config, make_problem, relative_error, worst_element
 
 pytestmark = pytest.mark.cuda
-
-
-@contextlib.contextmanager
-def kernel_config(**overrides):
-    from twell_compile.kernels import twell_mlp
-
-    saved = {k: getattr(twell_mlp.config, k) for k in overrides}
-    for k, v in overrides.items():
-        setattr(twell_mlp.config, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(twell_mlp.config, k, v)
 
 
 # The TwELL kernels at every row count: calls the plan would hand to cuBLAS (config.cublas_rows) too.

@@ -8,6 +8,7 @@ needed, nothing is all-zero, and the density of each token and unit is set exact
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -15,6 +16,21 @@ import torch
 from torch import Tensor
 
 from .kernels.triton_kernels import DECISION_ROWS  # the kernels' dense-or-sparse blocks
+
+
+@contextlib.contextmanager
+def kernel_config(**overrides):
+    """``twell_mlp.config`` with these fields set for the block, restored after it, whatever happens."""
+    from .kernels import twell_mlp
+
+    saved = {k: getattr(twell_mlp.config, k) for k in overrides}
+    for k, v in overrides.items():
+        setattr(twell_mlp.config, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(twell_mlp.config, k, v)
 
 
 @dataclasses.dataclass
@@ -192,7 +208,7 @@ def worst_element(actual: Tensor, expected: Tensor, dense_same_dtype: Tensor) ->
     dense = _normalized_errors(dense_same_dtype, expected)
     flat = int(torch.nan_to_num(ours, nan=float("inf")).argmax())
     where = divmod(flat, ours.shape[1])
-    return ours.max().item() if not ours.isnan().any() else float("nan"), dense.max().item(), where
+    return ours.max().item(), dense.max().item(), where  # max() is NaN where any element is
 
 
 def elementwise_bound(dense_worst: float, dtype: torch.dtype) -> float:
