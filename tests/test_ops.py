@@ -475,3 +475,36 @@ def test_fast_check_refuses_mixed_devices(name):
 def test_fast_check_accepts_good_calls(name, dtype, ndim, bias):
     _, make_args, _ = OPS[name]
     assert FAST_OK[name](*make_args(ndim, dtype, bias))
+
+
+def test_cuda_kernels_run_with_the_inputs_device_current(monkeypatch):
+    # A model spread over GPUs calls an op on cuda:1 while cuda:0 is current; the TwELL path must then
+    # run with cuda:1 current (the Triton launches and the host code read the current device), and a call
+    # on the current device must not switch at all. Stand-ins for the device API pin both.
+    import contextlib
+    import types
+
+    from twell_compile import kernels
+    from twell_compile.kernels import twell_mlp
+
+    current = [0]
+    switches = []
+
+    @contextlib.contextmanager
+    def device(d):
+        switches.append(d)
+        previous, current[0] = current[0], torch.device(d).index
+        try:
+            yield
+        finally:
+            current[0] = previous
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(twell_mlp, "twell_mlp", lambda x, *args: current[0])
+    on_cuda1 = types.SimpleNamespace(device=torch.device("cuda", 1))
+    on_cuda0 = types.SimpleNamespace(device=torch.device("cuda", 0))
+    assert kernels._twell_mlp_on_its_device(on_cuda1, None) == 1
+    assert switches == [torch.device("cuda", 1)] and current[0] == 0
+    assert kernels._twell_mlp_on_its_device(on_cuda0, None) == 0
+    assert len(switches) == 1

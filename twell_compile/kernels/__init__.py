@@ -43,17 +43,29 @@ def reference_relu_mlp(x, up_weight, down_weight, up_bias, down_bias) -> Tensor:
     return reference.relu_mlp(x, up_weight, down_weight, up_bias, down_bias).contiguous()
 
 
+def _twell_mlp_on_its_device(x: Tensor, *args) -> Tensor:
+    """``twell_mlp`` with x's device current. A model spread over several GPUs (Hugging Face's
+    ``device_map="auto"``, say) calls the op on one GPU while another is current, and what the kernels
+    and their host code take from the current device would then be another GPU's: the device the Triton
+    kernels launch on, the stream the density reports are copied on, the capture test, the shared-memory
+    limit of the chunked kernel's fit. The C++ entry points set their own guard; this covers the rest.
+    Only a call on a GPU that is not current pays for switching."""
+    from .twell_mlp import twell_mlp
+
+    index = x.device.index
+    if index is None or index == torch.cuda.current_device():
+        return twell_mlp(x, *args)
+    with torch.cuda.device(x.device):
+        return twell_mlp(x, *args)
+
+
 def cuda_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) -> Tensor:
     if _use_kernels(x):
-        from .twell_mlp import twell_mlp
-
-        return twell_mlp(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
+        return _twell_mlp_on_its_device(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
     return reference_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
 
 
 def cuda_relu_mlp(x, up_weight, down_weight, up_bias, down_bias) -> Tensor:
     if _use_kernels(x):
-        from .twell_mlp import twell_mlp
-
-        return twell_mlp(x, up_weight, up_bias, None, None, down_weight, down_bias)
+        return _twell_mlp_on_its_device(x, up_weight, up_bias, None, None, down_weight, down_bias)
     return reference_relu_mlp(x, up_weight, down_weight, up_bias, down_bias)
