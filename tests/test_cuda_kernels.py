@@ -48,6 +48,12 @@ def _run(problem, gated: bool, path: str):
     return out, ref64, dense_same_dtype
 
 
+def _run_reference(problem):
+    """(float64 reference, dense same-dtype MLP) of a gated problem."""
+    args = problem.gated_args()
+    return reference.gated_relu_mlp(*[None if t is None else t.double() for t in args]), reference.gated_relu_mlp(*args)
+
+
 def _check(out, ref64, dense_same_dtype, what: str):
     assert not out.isnan().any(), f"{what}: NaN in output (unwritten elements or a bad read)"
     err = relative_error(out, ref64)
@@ -186,6 +192,28 @@ def test_weight_update_invalidates_transposed_cache():
     out = torch.ops.twell.gated_relu_mlp(*args)
     expected = reference.gated_relu_mlp(*[None if t is None else t.double() for t in args])
     assert relative_error(out, expected) < 1e-2
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("m", [4097, 40000], ids=["row_by_row", "chunked"])  # W_down^T; and the sliced weights
+def test_call_on_another_stream_waits_for_the_weight_cache_fill(m):
+    """Two streams share a layer's weights. The first call, on stream A, fills the weight caches behind a
+    long sleep on A; a call on stream B issued right after finds the entries on the host at once and must
+    wait for their fill on the device, not read the unwritten memory behind them."""
+    problem = make_problem(m, 2048, 5632, nnz_per_row=24.0, bias=True, dense_rows=(0,))
+    ref64, dense_same_dtype = _run_reference(problem)
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    for stream in (a, b):
+        stream.wait_stream(torch.cuda.current_stream())
+    with kernel_config(**KERNELS_ONLY):
+        with torch.cuda.stream(a):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles before the fill
+            out_a = torch.ops.twell.gated_relu_mlp(*problem.gated_args())
+        with torch.cuda.stream(b):
+            out_b = torch.ops.twell.gated_relu_mlp(*problem.gated_args())
+    torch.cuda.synchronize()
+    _check(out_a, ref64, dense_same_dtype, "stream A (the fill)")
+    _check(out_b, ref64, dense_same_dtype, "stream B")
 
 
 @requires_twell_kernels

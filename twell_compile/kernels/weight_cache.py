@@ -6,6 +6,11 @@ An entry is valid only while the source tensor's storage is alive and its versio
 (any in-place update, e.g. an optimizer step, bumps it), so a freed weight whose address is reused by
 another model never hits a stale entry. Nothing is keyed by layer numbers.
 
+Streams: an entry is filled on the stream of the call that made it. A call on another stream (two
+requests served on two streams, say) that finds it waits for that fill on the device (an event, no host
+sync) and is recorded with the allocator as a user of its memory; calls on the filling stream, the usual
+case, are ordered already and pay only a comparison of stream handles.
+
 CUDA graphs: while a graph is captured nothing is cached (the copy is recorded into the graph and
 replayed with it). Cudagraph trees also run a warm-up with this thread's allocations routed to their
 private pool, which must hold nothing but tracked outputs afterwards; so an entry's storage is
@@ -64,13 +69,39 @@ def _slice_columns(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(d // 8, 8, f).permute(0, 2, 1)
 
 
+def _raw_stream(device: torch.device) -> int:
+    return torch._C._cuda_getCurrentRawStream(device.index)
+
+
+class _Fill:
+    """Where and when an entry was filled: its stream, and an event recorded after the copy."""
+
+    __slots__ = ("stream", "event")
+
+    def __init__(self, device: torch.device):
+        self.stream = _raw_stream(device)
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream(device))
+
+    def order_use(self, derived: torch.Tensor) -> None:
+        """Orders this call's stream after the fill, where it is another stream. While a graph is being
+        captured, its stream waited for the stream it was started from (torch.cuda.graph does), and an
+        event recorded outside the capture cannot be waited on inside it, so nothing is added there."""
+        device = derived.device
+        if _raw_stream(device) == self.stream or torch.cuda.is_current_stream_capturing():
+            return
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(self.event)
+        derived.record_stream(stream)
+
+
 class DerivedWeightCache:
     """``layout(weight).contiguous()`` (a view of the weight, made contiguous), computed once per
     weight version."""
 
     def __init__(self, layout, max_entries: int = _MAX_ENTRIES):
         self._layout = layout
-        self._entries: OrderedDict[tuple, tuple[StorageWeakRef, int, torch.Tensor]] = OrderedDict()
+        self._entries: OrderedDict[tuple, tuple[StorageWeakRef, int, torch.Tensor, _Fill | None]] = OrderedDict()
         self._max_entries = max_entries
         self._lock = threading.Lock()
 
@@ -82,9 +113,11 @@ class DerivedWeightCache:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
-                ref, cached_version, derived = entry
+                ref, cached_version, derived, fill = entry
                 if not ref.expired() and cached_version == version:
                     self._entries.move_to_end(key)
+                    if fill is not None:
+                        fill.order_use(derived)
                     return derived
                 del self._entries[key]
         view = self._layout(weight)
@@ -92,9 +125,10 @@ class DerivedWeightCache:
             return view.contiguous()
         derived = _empty_outside_graph_pools(tuple(view.shape), weight)
         derived.copy_(view)
+        fill = _Fill(weight.device) if weight.is_cuda else None
         with self._lock:
-            self._entries[key] = (StorageWeakRef(weight.untyped_storage()), version, derived)
-            for stale in [k for k, (ref, _, _) in self._entries.items() if ref.expired()]:
+            self._entries[key] = (StorageWeakRef(weight.untyped_storage()), version, derived, fill)
+            for stale in [k for k, (ref, _, _, _) in self._entries.items() if ref.expired()]:
                 del self._entries[stale]
             while len(self._entries) > self._max_entries:
                 self._entries.popitem(last=False)
