@@ -179,6 +179,49 @@ def test_sliced_weight_layouts():
     assert torch.equal(UP_WEIGHT_SLICED.get(up), up_sliced * 2.0)
 
 
+def test_weight_cache_hit_on_another_stream_waits_for_the_fill(monkeypatch):
+    """A cache entry's user on the filling stream adds nothing; on another stream it waits on the fill's
+    event and is recorded with the allocator; during a capture it adds nothing (an event recorded outside
+    a capture cannot be waited on inside it). Stand-ins for the CUDA stream API, on the CPU; the GPU test
+    is tests/test_cuda_kernels.py::test_call_on_another_stream_waits_for_the_weight_cache_fill."""
+    from twell_compile.kernels import weight_cache
+
+    log = []
+    current = {"stream": 7, "capturing": False}
+
+    class Stream:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def wait_event(self, event):
+            log.append(("wait", self.handle, event))
+
+    class Event:
+        def record(self, stream):
+            log.append(("record", stream.handle))
+
+    class Derived:
+        device = torch.device("cuda", 0)
+
+        def record_stream(self, stream):
+            log.append(("in use by", stream.handle))
+
+    monkeypatch.setattr(weight_cache, "_raw_stream", lambda device: current["stream"])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(current["stream"]))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current["capturing"])
+    fill = weight_cache._Fill(torch.device("cuda", 0))
+    assert log == [("record", 7)]
+    fill.order_use(Derived())  # the filling stream: ordered already
+    assert log == [("record", 7)]
+    current["stream"] = 9
+    fill.order_use(Derived())
+    assert log[1:] == [("wait", 9, fill.event), ("in use by", 9)]
+    current.update(stream=11, capturing=True)
+    fill.order_use(Derived())
+    assert len(log) == 3
+
+
 def test_step_by_step_path_launches_what_the_one_call_path_launches(monkeypatch):
     """With the one-call path declining (as for unaligned operands), the Python path runs the same
     kernel entries in the same order as csrc/twell_mlp_forward.cpp: the gate (GEMV at decode sizes),
