@@ -29,6 +29,22 @@ def test_reference_path_records_its_activation_and_path():
     assert rows[0].split()[-1] == "reference" and rows[0].split()[-3:-1] == ["-", "-"]
 
 
+def test_calls_captured_in_a_cuda_graph_are_not_recorded(monkeypatch):
+    # Under capture the kernels have not run, so there is nothing true to record; a stand-in for the
+    # capture state, on the CPU (the ops' CUDA path asks stats.active_recorder() the same way).
+    problem = make_problem(8, 16, 32, nnz_per_row=4.0, dtype=torch.float32, device="cpu")
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    with twell_compile.record_sparsity() as rec:
+        assert stats.active_recorder() is None
+        torch.ops.twell.gated_relu_mlp(*problem.gated_args())
+        capturing[0] = False
+        assert stats.active_recorder() is rec
+        torch.ops.twell.gated_relu_mlp(*problem.gated_args())
+    assert len(rec.calls()) == 1
+
+
 def test_path_names_are_checked():
     recorder = stats.SparsityRecorder()
     recorder.add("relu_mlp", torch.tensor([1, 2]), 8, path="cublas")

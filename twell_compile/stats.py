@@ -11,7 +11,9 @@ whatever their activation, and layers whose earlier calls were mostly dense, ker
 ``reference``: the plain-PyTorch path of CPUs, float32 and GPUs without
 the kernels). The tensors are read back only when the summary is asked for. Calls are numbered in
 execution order, which for a compiled model is layer order. Kernels replayed from a CUDA graph run no
-Python, so nothing is recorded for them: record with ``mode="default"``.
+Python, so nothing is recorded for them: record with ``mode="default"``. Nor is a call made while a CUDA
+graph is being captured (``mode="reduce-overhead"``'s recording call): its kernels have not run yet, so
+its statistics would be whatever the memory held, and the reductions would join the graph's every replay.
 """
 
 from __future__ import annotations
@@ -95,4 +97,9 @@ def record_sparsity():
 
 
 def active_recorder() -> SparsityRecorder | None:
-    return _ACTIVE[-1] if _ACTIVE else None
+    """The innermost recorder, if any, unless the current CUDA stream is being captured (see above)."""
+    if not _ACTIVE:
+        return None
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return None
+    return _ACTIVE[-1]
