@@ -179,6 +179,27 @@ def test_sliced_weight_layouts():
     assert torch.equal(UP_WEIGHT_SLICED.get(up), up_sliced * 2.0)
 
 
+def test_inference_tensor_weights_are_not_cached_and_say_so_once(monkeypatch):
+    """An inference tensor has no version counter, so an in-place update could not be seen: its re-laid
+    copy is rebuilt every call (still correct), and one warning tells the user why and what to do."""
+    import warnings
+
+    from twell_compile.kernels import weight_cache
+
+    monkeypatch.setattr(weight_cache, "_warned_inference_weight", False)
+    with torch.inference_mode():
+        weight = torch.randn(16, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = weight_cache.DOWN_WEIGHT_T.get(weight), weight_cache.DOWN_WEIGHT_T.get(weight)
+    assert [str(w.message) for w in caught] == [weight_cache._INFERENCE_WEIGHT_WARNING]
+    assert "torch.inference_mode()" in str(caught[0].message)
+    assert first is not second and torch.equal(first, weight.t()) and torch.equal(second, weight.t())
+    ordinary = torch.randn(16, 8)
+    with torch.inference_mode():  # an ordinary weight used inside inference mode is cached as usual
+        assert weight_cache.DOWN_WEIGHT_T.get(ordinary) is weight_cache.DOWN_WEIGHT_T.get(ordinary)
+
+
 def test_weight_cache_hit_on_another_stream_waits_for_the_fill(monkeypatch):
     """A cache entry's user on the filling stream adds nothing; on another stream it waits on the fill's
     event and is recorded with the allocator; during a capture it adds nothing (an event recorded outside

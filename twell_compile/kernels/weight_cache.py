@@ -20,6 +20,7 @@ allocated from a short-lived helper thread (default pool) and only filled on the
 from __future__ import annotations
 
 import threading
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -28,10 +29,22 @@ from torch.multiprocessing.reductions import StorageWeakRef
 _MAX_ENTRIES = 1024
 
 
+_INFERENCE_WEIGHT_WARNING = (
+    "twell: a weight is an inference tensor (created under torch.inference_mode()), which carries no "
+    "version counter, so its re-laid copy for the sparse kernels cannot be cached safely and is rebuilt on "
+    "every call (a copy of the whole weight each time). Create or load the model outside "
+    "torch.inference_mode() (running it inside is fine) to have it cached.")
+_warned_inference_weight = False
+
+
 def _version(t: torch.Tensor) -> int | None:
     try:
         return t._version
     except RuntimeError:  # inference tensors carry no version counter: never cache them
+        global _warned_inference_weight
+        if not _warned_inference_weight:
+            _warned_inference_weight = True
+            warnings.warn(_INFERENCE_WEIGHT_WARNING, stacklevel=2)
         return None
 
 
