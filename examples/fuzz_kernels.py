@@ -17,11 +17,11 @@ grid names get run too:
 - each case calls the op several times on the same weights (routing by density acts from the second
   call on) and, for some cases, replays it from a CUDA graph.
 
-Every output is checked: no NaN where the reference has none, the relative error within 1.5x the
-dense same-dtype MLP's (as the CUDA tests require), and every element within
+Every output is checked by ``testing.check_output``, as the CUDA tests check theirs: no NaN where the
+reference has none, the relative error within 1.5x the dense same-dtype MLP's, and every element within
 ``testing.elementwise_bound`` of the reference on its row's scale (``testing.worst_element``), which
-catches a single wrong row or column of a large call. A setting the op refuses must say so with a
-twell error; any other exception is a failure.
+catches a single wrong row or column of a large call. A setting the op refuses must say so with a twell
+error; any other exception is a failure.
 
 Each case is drawn from its own seed, printed before it runs (a CUDA fault ends the process, and the
 last line names the case), so any case reruns alone: ``--case-seed N``.
@@ -44,9 +44,9 @@ import time
 import torch
 
 import twell_compile  # noqa: F401  (registers torch.ops.twell)
-from twell_compile import reference, stats
+from twell_compile import stats
 from twell_compile.kernels import twell_mlp
-from twell_compile.testing import elementwise_bound, kernel_config, make_problem, relative_error, worst_element
+from twell_compile.testing import check_output, kernel_config, make_problem, problem_references
 
 # (hidden, intermediate) of real models with ReLU-able MLPs, and the 2B shape of the issue.
 MODEL_SHAPES = [
@@ -234,9 +234,7 @@ def check_case(case: Case, device: str) -> tuple[bool, str, dict]:
                            dtype=dtype, device=device, generator=gen, **case.sparsity)
     args = problem.gated_args() if case.gated else problem.non_gated_args()
     op = torch.ops.twell.gated_relu_mlp if case.gated else torch.ops.twell.relu_mlp
-    ref_fn = reference.gated_relu_mlp if case.gated else reference.relu_mlp
-    ref64 = ref_fn(*[None if t is None else t.double() for t in args])
-    dense = ref_fn(*args)
+    ref64, dense = problem_references(problem, case.gated)
     x_in = _lay_out(problem.x, case.layout)
     call_args = (x_in, *args[1:])
     info = {"ref_nan": bool(ref64.isnan().any()), "paths": []}
@@ -249,20 +247,12 @@ def check_case(case: Case, device: str) -> tuple[bool, str, dict]:
             return f"{what}: dtype {out.dtype}"
         if info["ref_nan"]:
             return None  # non-finite references are the NaN tests' business, not this one's
-        if out2.isnan().any():
-            rows = out2.isnan().any(dim=1).nonzero().flatten()[:8].tolist()
-            return f"{what}: NaN in rows {rows} (unwritten elements or a bad read)"
-        err, dense_err = relative_error(out2, ref64), relative_error(dense, ref64)
-        worst, dense_worst, (row, col) = worst_element(out2, ref64, dense)
-        info.setdefault("err", []).append(err)
-        info.setdefault("worst", []).append(worst)
-        info["dense_err"], info["dense_worst"] = dense_err, dense_worst
-        if not err <= 1.5 * dense_err + 1e-4:
-            return f"{what}: relative error {err:.3e} against dense {dense_err:.3e}"
-        if not worst <= elementwise_bound(dense_worst, dtype):
-            return (f"{what}: element ({row}, {col}) off by {worst:.3e} of its row's scale "
-                    f"(dense same-dtype worst {dense_worst:.3e}, bound {elementwise_bound(dense_worst, dtype):.3e})")
-        return None
+        result = check_output(out2, ref64, dense)
+        if not math.isnan(result.err):
+            info.setdefault("err", []).append(result.err)
+            info.setdefault("worst", []).append(result.worst)
+            info["dense_err"], info["dense_worst"] = result.dense_err, result.dense_worst
+        return None if result.failure is None else f"{what}: {result.failure}"
 
     with kernel_config(**{"poison_buffers": True, **case.config}):
         try:

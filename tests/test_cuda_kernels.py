@@ -14,7 +14,7 @@ import torch
 import twell_compile  # noqa: F401
 from twell_compile import reference
 from helpers import requires_twell_kernels
-from twell_compile.testing import elementwise_bound, kernel_config, make_problem, relative_error, worst_element
+from twell_compile.testing import check_output, kernel_config, make_problem, problem_references, relative_error
 
 pytestmark = pytest.mark.cuda
 
@@ -41,30 +41,13 @@ def _run(problem, gated: bool, path: str):
         else:
             out = torch.ops.twell.relu_mlp(*problem.non_gated_args())
     torch.cuda.synchronize()
-    args64 = [None if t is None else t.double() for t in (problem.gated_args() if gated else problem.non_gated_args())]
-    ref64 = (reference.gated_relu_mlp if gated else reference.relu_mlp)(*args64)
-    dense_same_dtype = (reference.gated_relu_mlp if gated else reference.relu_mlp)(
-        *(problem.gated_args() if gated else problem.non_gated_args()))
-    return out, ref64, dense_same_dtype
-
-
-def _run_reference(problem):
-    """(float64 reference, dense same-dtype MLP) of a gated problem."""
-    args = problem.gated_args()
-    return reference.gated_relu_mlp(*[None if t is None else t.double() for t in args]), reference.gated_relu_mlp(*args)
+    return (out, *problem_references(problem, gated))
 
 
 def _check(out, ref64, dense_same_dtype, what: str):
-    assert not out.isnan().any(), f"{what}: NaN in output (unwritten elements or a bad read)"
-    err = relative_error(out, ref64)
-    dense_err = relative_error(dense_same_dtype, ref64)
-    assert err <= 1.5 * dense_err + 1e-4, f"{what}: relative error {err:.2e} vs dense {dense_err:.2e}"
-    # Element by element too: the norm over a large call hides a few wrong rows or columns.
-    worst, dense_worst, (row, col) = worst_element(out, ref64, dense_same_dtype)
-    bound = elementwise_bound(dense_worst, out.dtype)
-    assert worst <= bound, (f"{what}: element ({row}, {col}) off by {worst:.2e} of its row's scale, "
-                            f"dense same-dtype at most {dense_worst:.2e} (bound {bound:.2e})")
-    return err
+    result = check_output(out, ref64, dense_same_dtype)
+    assert result.failure is None, f"{what}: {result.failure}"
+    return result.err
 
 
 SHAPES = [
@@ -201,7 +184,7 @@ def test_call_on_another_stream_waits_for_the_weight_cache_fill(m):
     long sleep on A; a call on stream B issued right after finds the entries on the host at once and must
     wait for their fill on the device, not read the unwritten memory behind them."""
     problem = make_problem(m, 2048, 5632, nnz_per_row=24.0, bias=True, dense_rows=(0,))
-    ref64, dense_same_dtype = _run_reference(problem)
+    ref64, dense_same_dtype = problem_references(problem)
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
     for stream in (a, b):
         stream.wait_stream(torch.cuda.current_stream())
@@ -236,8 +219,7 @@ def test_stale_memory_in_reused_buffers_is_never_read(gated, path):
     problem = make_problem(384, 64, 256, 64, nnz_per_row=128.0, gated=gated, bias=True)  # ~50%: most tiles overflow
     args = problem.gated_args() if gated else problem.non_gated_args()
     op = torch.ops.twell.gated_relu_mlp if gated else torch.ops.twell.relu_mlp
-    expected = (reference.gated_relu_mlp if gated else reference.relu_mlp)(*[None if t is None else t.double() for t in args])
-    dense_same_dtype = (reference.gated_relu_mlp if gated else reference.relu_mlp)(*args)
+    expected, dense_same_dtype = problem_references(problem, gated)
     with kernel_config(**PATHS[path]):
         for _ in range(3):
             garbage = torch.randint(-2**31, 2**31 - 1, (1 << 22,), dtype=torch.int32, device="cuda")

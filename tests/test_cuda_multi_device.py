@@ -14,8 +14,7 @@ import torch
 import twell_compile
 from helpers import requires_twell_kernels
 from test_cuda_kernels import KERNELS_ONLY, _check
-from twell_compile import reference
-from twell_compile.testing import kernel_config, make_problem
+from twell_compile.testing import kernel_config, make_problem, problem_references
 
 pytestmark = pytest.mark.cuda
 
@@ -30,13 +29,6 @@ LAUNCHES = {
     "general_triton": (300, (257, 1031, 131), KERNELS_ONLY),  # unaligned rows: the general path
     "cublas_route": (300, (2048, 5632, 2048), {}),  # 33-512 rows go to cuBLAS as shipped
 }
-
-
-def _reference(problem, gated: bool):
-    args = problem.gated_args() if gated else problem.non_gated_args()
-    ref64 = (reference.gated_relu_mlp if gated else reference.relu_mlp)(*[None if t is None else t.double() for t in args])
-    dense_same_dtype = (reference.gated_relu_mlp if gated else reference.relu_mlp)(*args)
-    return ref64, dense_same_dtype
 
 
 def _call(problem, gated: bool):
@@ -64,7 +56,7 @@ def test_ops_on_a_gpu_that_is_not_current(launch, gated):
     assert torch.cuda.current_device() == 0
     assert out.device == OTHER
     assert torch.cuda.max_memory_allocated(0) == before, "the call allocated on cuda:0"
-    _check(out, *_reference(problem, gated), f"{launch} on cuda:1 with cuda:0 current")
+    _check(out, *problem_references(problem, gated), f"{launch} on cuda:1 with cuda:0 current")
 
 
 @requires_two_gpus
@@ -80,7 +72,7 @@ def test_one_layer_on_each_gpu_alternating():
             for problem in problems:
                 out = _call(problem, True)
                 torch.cuda.synchronize(out.device)
-                _check(out, *_reference(problem, True), f"layer on {out.device}")
+                _check(out, *problem_references(problem), f"layer on {out.device}")
 
 
 @requires_two_gpus
@@ -102,7 +94,7 @@ def test_cuda_graph_on_the_second_gpu(launch):
         problem.x.copy_(make_problem(m, k, f, d, nnz_per_row=24.0, bias=True, device=OTHER).x)
         graph.replay()
         torch.cuda.synchronize(OTHER)
-    _check(out, *_reference(problem, True), f"{launch}, CUDA graph on cuda:1")
+    _check(out, *problem_references(problem), f"{launch}, CUDA graph on cuda:1")
 
 
 class _TwoGpuMlps(torch.nn.Module):

@@ -5,15 +5,12 @@ from __future__ import annotations
 import torch
 
 from twell_compile import reference
-from twell_compile.testing import elementwise_bound, make_problem, relative_error, worst_element
+from twell_compile.testing import check_output, elementwise_bound, make_problem, problem_references, relative_error, worst_element
 
 
 def _bf16_case(m: int = 4096):
     problem = make_problem(m, 64, 256, nnz_per_row=8.0, device="cpu", generator=torch.Generator().manual_seed(0))
-    args = problem.gated_args()
-    ref64 = reference.gated_relu_mlp(*[None if t is None else t.double() for t in args])
-    dense = reference.gated_relu_mlp(*args)
-    return ref64, dense
+    return problem_references(problem)
 
 
 def test_dense_same_dtype_is_within_its_own_bound():
@@ -66,3 +63,16 @@ def test_nan_is_never_within_bound():
     worst, dense_worst, where = worst_element(bad, ref64, dense)
     assert where == (7, 3)
     assert not worst <= elementwise_bound(dense_worst, torch.bfloat16)
+
+
+def test_check_output_names_the_first_bound_broken():
+    ref64, dense = _bf16_case()
+    assert check_output(dense, ref64, dense).failure is None
+    nan = dense.clone()
+    nan[9, 1] = float("nan")
+    assert check_output(nan, ref64, dense).failure.startswith("NaN in rows [9]")
+    off = dense.clone()
+    off[100, 3] += 0.5 * ref64[100].pow(2).mean().sqrt()  # half the row's RMS on one element of 4096 x 64
+    assert check_output(off, ref64, dense).failure.startswith("element (100, 3)")
+    scaled = dense * 1.05
+    assert check_output(scaled, ref64, dense).failure.startswith("relative error")

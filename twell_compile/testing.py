@@ -15,6 +15,7 @@ import math
 import torch
 from torch import Tensor
 
+from . import reference
 from .kernels.triton_kernels import DECISION_ROWS  # the kernels' dense-or-sparse blocks
 
 
@@ -216,3 +217,42 @@ def elementwise_bound(dense_worst: float, dtype: torch.dtype) -> float:
     twice the dtype's rounding unit (a kernel sums in another order, and rounds h and the output once
     each, as eager does)."""
     return 4.0 * dense_worst + 2.0 * torch.finfo(dtype).eps
+
+
+def problem_references(problem: MlpProblem, gated: bool = True) -> tuple[Tensor, Tensor]:
+    """(the float64 reference, the dense MLP in the problem's own dtype) of the op call on ``problem``:
+    what a kernel's output is judged against, and by (``check_output``)."""
+    mlp = reference.gated_relu_mlp if gated else reference.relu_mlp
+    args = problem.gated_args() if gated else problem.non_gated_args()
+    return mlp(*[None if t is None else t.double() for t in args]), mlp(*args)
+
+
+@dataclasses.dataclass
+class OutputCheck:
+    """``check_output``'s measurements, and the first bound broken (None: the output passes)."""
+
+    err: float
+    dense_err: float
+    worst: float
+    dense_worst: float
+    failure: str | None
+
+
+def check_output(out: Tensor, ref64: Tensor, dense_same_dtype: Tensor) -> OutputCheck:
+    """A kernel's output against the float64 reference, as the CUDA tests and the fuzzer require it: no
+    NaN (unwritten elements or a bad read), a relative error within 1.5x the dense same-dtype MLP's, and
+    every element within ``elementwise_bound`` on its row's scale (the norm over a large call hides a few
+    wrong rows or columns)."""
+    if out.isnan().any():
+        rows = out.reshape(-1, out.shape[-1]).isnan().any(dim=1).nonzero().flatten()[:8].tolist()
+        nan = float("nan")
+        return OutputCheck(nan, nan, nan, nan, f"NaN in rows {rows} (unwritten elements or a bad read)")
+    err, dense_err = relative_error(out, ref64), relative_error(dense_same_dtype, ref64)
+    worst, dense_worst, (row, col) = worst_element(out, ref64, dense_same_dtype)
+    failure = None
+    if not err <= 1.5 * dense_err + 1e-4:
+        failure = f"relative error {err:.2e} vs dense {dense_err:.2e}"
+    elif not worst <= (bound := elementwise_bound(dense_worst, out.dtype)):
+        failure = (f"element ({row}, {col}) off by {worst:.2e} of its row's scale, "
+                   f"dense same-dtype at most {dense_worst:.2e} (bound {bound:.2e})")
+    return OutputCheck(err, dense_err, worst, dense_worst, failure)

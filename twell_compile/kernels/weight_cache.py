@@ -44,7 +44,7 @@ def _version(t: torch.Tensor) -> int | None:
         global _warned_inference_weight
         if not _warned_inference_weight:
             _warned_inference_weight = True
-            warnings.warn(_INFERENCE_WEIGHT_WARNING, stacklevel=2)
+            warnings.warn(_INFERENCE_WEIGHT_WARNING, RuntimeWarning, stacklevel=2)
         return None
 
 
