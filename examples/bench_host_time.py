@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="the CPU measurement even where there is a GPU")
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=5, help="CPU: rounds per measurement (best is kept)")
+    parser.add_argument("--profile", action="store_true",
+                        help="GPU: also profile the op's Python host code (cProfile, by own time) at each M")
     args = parser.parse_args()
     if args.cpu or not torch.cuda.is_available():
         cpu_dispatch_overhead(args)
@@ -98,6 +100,25 @@ def main() -> None:
             times["mlp_forward"] = host_time_us(
                 lambda: ext.mlp_forward(plan.cuda, x, wg, None, wu, None, wd, w_down_t, None), args.calls)
         print(f"M={m:<6} " + "  ".join(f"{name} {h:.1f}/{t:.1f}" for name, (h, t) in times.items()))
+        if args.profile:
+            profile_host_code(lambda: op(x, wg, wu, wd), args.calls)
+
+
+def profile_host_code(fn, calls: int) -> None:
+    """Where the host time of ``fn`` goes, by function (own time, cProfile's overhead included)."""
+    import cProfile
+    import pstats
+
+    for _ in range(30):
+        fn()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,62 @@ def test_kernels_registered_for_every_dispatch_key(name):
     assert torch.Tag.pt2_compliant_tag in op.tags
 
 
+def _count_redispatches(monkeypatch) -> list:
+    calls = []
+    original = torch._ops.OpOverload.redispatch
+
+    def counting(self, keyset, *args, **kwargs):
+        calls.append(self)
+        return original(self, keyset, *args, **kwargs)
+
+    monkeypatch.setattr(torch._ops.OpOverload, "redispatch", counting)
+    return calls
+
+
+@op_names
+def test_call_needing_no_gradient_runs_the_device_kernel_directly(name, monkeypatch):
+    # autograd_kernel.py: no second trip through the dispatcher where it would reach the CPU kernel anyway.
+    op, make_args, eager = OPS[name]
+    args = make_args(3, torch.float32, True)
+    redispatched = _count_redispatches(monkeypatch)
+    with torch.no_grad():
+        assert torch.equal(op(*args), eager(*args))
+    assert torch.equal(op(*args), eager(*args))  # grad mode on, but nothing requires a gradient
+    with torch.inference_mode():  # no Autograd key at all
+        assert torch.equal(op(*args), eager(*args))
+    assert redispatched == []
+
+
+@op_names
+def test_calls_with_other_keys_below_autograd_still_redispatch(name, monkeypatch):
+    # Fake tensors (the Python key) and meta tensors must reach their own kernels, not the CPU one.
+    op, make_args, _ = OPS[name]
+    args = make_args(3, torch.float32, True)
+    redispatched = _count_redispatches(monkeypatch)
+    with torch.no_grad():
+        with FakeTensorMode() as mode:
+            fake = op(*(mode.from_tensor(a) for a in args))
+        meta = op(*(a.to("meta") for a in args))
+    assert fake.shape == meta.shape == args[0].shape and meta.device.type == "meta"
+    assert op in redispatched and len(redispatched) >= 2
+
+
+@op_names
+def test_call_needing_gradients_with_omitted_biases(name, monkeypatch):
+    # The dispatcher drops trailing arguments equal to their defaults; the autograd function's
+    # setup_context still gets every argument and the backward one gradient per argument passed.
+    op, make_args, eager = OPS[name]
+    n_weights = 3 if name == "gated" else 2
+    ours = requiring_grad(make_args(2, torch.float64, False)[: 1 + n_weights])
+    theirs = requiring_grad(ours)
+    redispatched = _count_redispatches(monkeypatch)
+    op(*ours).square().sum().backward()
+    assert redispatched == [op]
+    eager(*theirs).square().sum().backward()
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=lambda m, i=i: f"argument {i}: {m}")
+
+
 def test_cuda_kernels_hand_their_arguments_to_the_twell_path(monkeypatch):
     # The CUDA registrations run on the GPU only; here they run on CPU tensors, with the kernels
     # reported available and the TwELL entry replaced, to pin which argument goes where.

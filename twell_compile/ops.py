@@ -12,10 +12,12 @@ device-specific kernel is registered below; CUDA goes through ``kernels.cuda_*``
 TwELL kernels plug in.
 
 The ops are defined with ``torch.library.Library`` and registered key by key (device kernels, fake
-kernel, ``register_autograd``), as ``torch.library.custom_op`` would register them, but without its
-per-call Python wrapper around the device kernel (keyword handling, an aliasing check of every result):
-at decode sizes an eager call is paced by the host, and that wrapper cost 2-3 us a call on a CPU
+kernel, autograd), as ``torch.library.custom_op`` would register them, but without its per-call Python
+wrapper around the device kernel (keyword handling, an aliasing check of every result): at decode sizes
+an eager call is paced by the host, and that wrapper cost 2-3 us a call on a CPU
 (``examples/bench_host_time.py --cpu``). What it checked is tested instead (fresh outputs, opcheck).
+For the same reason the Autograd key's kernel (``autograd_kernel.py``) calls the device kernel directly
+when no gradient is needed, where ``register_autograd``'s would redispatch to it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor
 
 from . import kernels, reference
+from .autograd_kernel import register_autograd_kernel
 from .validation import check_gated, check_non_gated, fast_check_gated, fast_check_non_gated
 
 _LIB = torch.library.Library("twell", "DEF")
@@ -38,8 +41,10 @@ def _define(schema: str, reference_kernel, cuda_kernel, fake_kernel, backward, s
     _LIB.impl(name, torch._disable_dynamo(reference_kernel), "CompositeExplicitAutograd")
     _LIB.impl(name, torch._disable_dynamo(cuda_kernel), "CUDA")
     torch.library.register_fake(f"twell::{name}", fake_kernel, lib=_LIB)
-    torch.library.register_autograd(f"twell::{name}", backward, setup_context=setup_context, lib=_LIB)
-    return getattr(torch.ops.twell, name).default
+    op = getattr(torch.ops.twell, name).default
+    register_autograd_kernel(_LIB, op, backward, setup_context,
+                             {torch._C.DispatchKey.CPU: reference_kernel, torch._C.DispatchKey.CUDA: cuda_kernel})
+    return op
 
 
 def _padded_needs(ctx, n_inputs: int) -> tuple[bool, ...]:
