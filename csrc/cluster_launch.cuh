@@ -18,8 +18,31 @@ namespace twell {
 constexpr int kPortableClusterMax = 8;   // what every sm_90 part schedules
 constexpr int kNonPortableClusterMax = 16;  // H100 / H200, with the kernel's opt-in
 
+// Whether the launches made on this thread carry the programmatic-stream-serialization attribute
+// (programmatic dependent launch): a kernel may then be scheduled before the previous kernel in the
+// stream has finished, and waits for it on the device (ptx::wait_for_predecessor_grid, the first thing
+// each kernel launched here does). That hides most of each launch's latency between the short kernels
+// of a decode-sized call. Off unless a ProgrammaticLaunchScope says otherwise.
+inline bool& programmatic_launches() {
+  thread_local bool enabled = false;
+  return enabled;
+}
+
+// Programmatic launches on (or off) for the launches made on this thread while it lives.
+class ProgrammaticLaunchScope {
+ public:
+  explicit ProgrammaticLaunchScope(bool enabled) : saved_(programmatic_launches()) { programmatic_launches() = enabled; }
+  ~ProgrammaticLaunchScope() { programmatic_launches() = saved_; }
+  ProgrammaticLaunchScope(const ProgrammaticLaunchScope&) = delete;
+  ProgrammaticLaunchScope& operator=(const ProgrammaticLaunchScope&) = delete;
+
+ private:
+  bool saved_;
+};
+
 // One launch of `grid` CTAs of `threads` threads, in clusters of `cluster` CTAs along x (1: plain CTAs,
-// no cluster attribute). Not copyable: the configuration points at the object's own attribute.
+// no cluster attribute). Not copyable: the configuration points at the object's own attributes.
+// The kernel must begin with ptx::wait_for_predecessor_grid (see programmatic_launches).
 class KernelLaunch {
  public:
   template <typename... Params>
@@ -33,16 +56,26 @@ class KernelLaunch {
     if (cluster > kPortableClusterMax) {
       set_attribute_once(kernel_, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     }
-    attribute_.id = cudaLaunchAttributeClusterDimension;
-    attribute_.val.clusterDim.x = static_cast<unsigned>(cluster);
-    attribute_.val.clusterDim.y = 1;
-    attribute_.val.clusterDim.z = 1;
+    unsigned count = 0;
+    if (cluster > 1) {
+      cudaLaunchAttribute& clustered = attributes_[count++];
+      clustered.id = cudaLaunchAttributeClusterDimension;
+      clustered.val.clusterDim.x = static_cast<unsigned>(cluster);
+      clustered.val.clusterDim.y = 1;
+      clustered.val.clusterDim.z = 1;
+    }
+    cluster_attrs_ = count;
+    if (programmatic_launches()) {
+      cudaLaunchAttribute& programmatic = attributes_[count++];
+      programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      programmatic.val.programmaticStreamSerializationAllowed = 1;
+    }
     config_.gridDim = grid;
     config_.blockDim = dim3(static_cast<unsigned>(threads));
     config_.dynamicSmemBytes = smem;
     config_.stream = c10::cuda::getCurrentCUDAStream();
-    config_.attrs = &attribute_;
-    config_.numAttrs = cluster > 1 ? 1 : 0;
+    config_.attrs = attributes_;
+    config_.numAttrs = count;
   }
   KernelLaunch(const KernelLaunch&) = delete;
   KernelLaunch& operator=(const KernelLaunch&) = delete;
@@ -55,7 +88,7 @@ class KernelLaunch {
     int device = 0;
     C10_CUDA_CHECK(cudaGetDevice(&device));
     const Key key{device, kernel_, config_.blockDim.x, config_.dynamicSmemBytes,
-                  config_.numAttrs ? attribute_.val.clusterDim.x : 1u};
+                  cluster_attrs_ ? attributes_[0].val.clusterDim.x : 1u};
     static std::mutex mutex;
     static std::map<Key, int> known;
     {
@@ -64,7 +97,9 @@ class KernelLaunch {
       if (it != known.end()) return it->second;
     }
     int clusters = 0;
-    const cudaError_t status = cudaOccupancyMaxActiveClusters(&clusters, kernel_, &config_);
+    cudaLaunchConfig_t shape = config_;  // the occupancy query takes the cluster attribute only
+    shape.numAttrs = cluster_attrs_;
+    const cudaError_t status = cudaOccupancyMaxActiveClusters(&clusters, kernel_, &shape);
     if (status != cudaSuccess) {
       (void)cudaGetLastError();  // an unschedulable shape reports an error here; it means none fits
       clusters = 0;
@@ -109,7 +144,8 @@ class KernelLaunch {
     }
   };
   const void* kernel_;
-  cudaLaunchAttribute attribute_{};
+  cudaLaunchAttribute attributes_[2]{};  // the cluster shape (if clustered), then the programmatic launch (if on)
+  unsigned cluster_attrs_ = 0;
   cudaLaunchConfig_t config_{};
 };
 

@@ -154,6 +154,19 @@ __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(tensor_map) : "memory");
 }
 
+// ---- programmatic dependent launch ----------------------------------------------------------------
+// Every kernel launched by KernelLaunch (csrc/cluster_launch.cuh) starts with this, before it touches
+// global memory. With programmatic launches on, the kernel may be scheduled while the one before it in
+// the stream still runs; `griddepcontrol.wait` holds it until that grid has completed and its writes
+// are visible, so what it reads (and overwrites) is as if launched normally. Because every such kernel
+// waits before it can finish, a grid's completion still implies its predecessors' (the next normal
+// launch relies on that). Then it lets its own successor start launching, so that launch's latency
+// overlaps this kernel's run. Both are no-ops in a normal launch.
+__device__ __forceinline__ void wait_for_predecessor_grid() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // ---- L2 prefetch ------------------------------------------------------------------------------------
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 

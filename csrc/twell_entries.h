@@ -172,6 +172,7 @@ struct MlpPlan {
   int64_t sparse_threads = 128;
   int64_t sparse_cluster = 1;
   bool chunked = false;            // the chunked sparse kernel (given the sliced weights)
+  bool programmatic = false;       // programmatic dependent launches (csrc/cluster_launch.cuh)
   int64_t thr_full = 0;            // the dense-block test (csrc/dense_block_test.cuh)
   int64_t thr_last = 0;
   int64_t thr_heavy = 0;

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "cluster_launch.cuh"
 #include "dense_block_test.cuh"
 #include "twell_entries.h"
 
@@ -54,6 +55,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   TORCH_CHECK(plan.chunked == w_down_sliced.has_value() && (!plan.chunked || gated == w_up_sliced.has_value()),
               "twell: mlp_forward takes the sliced weights exactly when the plan is chunked");
   const c10::cuda::CUDAGuard guard(x.device());
+  const ProgrammaticLaunchScope programmatic(plan.programmatic);
   const int64_t M = x.size(0), F = w_act.size(0), D = w_down.size(0);
   const int64_t n_tiles = (F + plan.tile_n - 1) / plan.tile_n;
   const int64_t n_blocks = (M + kDecisionRows - 1) / kDecisionRows;
