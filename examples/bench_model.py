@@ -18,11 +18,14 @@ import argparse
 import torch
 
 
-def build_model(layers: int, nnz: float, seq: int, device: str = "cuda"):
+def build_model(layers: int, nnz: float, seq: int, device: str = "cuda", hidden: int = 2048,
+                intermediate: int = 5632, heads: int = 32, vocab: int = 32000):
+    """The 2B-shape ReLU Llama by default (smaller shapes for CPU smoke runs), bf16, random weights,
+    its gate biases calibrated to about ``nnz`` active units per token."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
-                      num_attention_heads=32, num_key_value_heads=32, hidden_act="relu", mlp_bias=True,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads, hidden_act="relu", mlp_bias=True,
                       max_position_embeddings=max(seq, 2048), attn_implementation="sdpa")
     with torch.device(device):
         model = LlamaForCausalLM(cfg)

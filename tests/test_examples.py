@@ -52,6 +52,15 @@ def test_bench_host_time_on_cpu():
                        for line in out.splitlines()), (op, mode, out)
 
 
+def test_bench_decode_on_cpu():
+    out = run_example("bench_decode.py", "--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate",
+                      "256", "--heads", "4", "--vocab", "128", "--batch", "2", "--prompt", "8", "--steps", "2",
+                      "--warmup", "1", "--rounds", "1", "--mode", "default")
+    row = out.rstrip().splitlines()[-1].split("|")
+    assert row[1].strip() == "2" and row[-2].strip() == "1/1", out  # batch 2; the one MLP rewritten
+    assert float(row[5]) < 1e-2, out  # the reference ops on CPU: the dense model's answer
+
+
 def test_sparse_reuse():
     out = run_example("sparse_reuse.py", "--m", "512", "--hidden", "64", "--intermediate", "512", "--nnz", "8",
                       "--blocks", "1", "128", "512")

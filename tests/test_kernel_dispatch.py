@@ -100,6 +100,11 @@ def test_call_plan_is_cached_per_shape_and_follows_the_settings(monkeypatch):
     assert (cuda.thr_full, cuda.thr_last, cuda.thr_heavy) == decode.thresholds and not cuda.poison
     large = twell_mlp.call_plan(4096, 5632, 2048, device).cuda
     assert (large.decode_gate, large.decode_dense, large.ctas, large.sparse_cluster) == (False, False, 132, 1)
+    # Programmatic dependent launches for decode-sized calls only (they lost 1-5% at 1024-16384 rows).
+    assert cuda.programmatic is True and large.programmatic is False
+    monkeypatch.setattr(twell_mlp.config, "programmatic_launch", False)
+    assert twell_mlp.call_plan(16, 5632, 2048, device).cuda.programmatic is False
+    monkeypatch.setattr(twell_mlp.config, "programmatic_launch", True)
 
     monkeypatch.setattr(twell_mlp.config, "decode_dense_gemv", False)
     assert twell_mlp.call_plan(16, 5632, 2048, device).cuda.decode_dense is False

@@ -1,0 +1,121 @@
+"""Decode benchmark: the 2B-shape ReLU Llama generating token by token from a static KV cache, dense
+``torch.compile`` against ``backend="twell"``, both in one run.
+
+Each backend compiles ``model.model`` (no LM head, as ``bench_model.py``) with the same ``--mode``
+(``reduce-overhead``, CUDA graphs, by default: the way decode is served), prefills a static cache
+with the same prompt, and is timed over ``--steps`` single-token steps after warm-up steps (CUDA
+events around the whole loop; the input tokens are drawn beforehand, so nothing syncs in it). Every
+step's MLPs see ``--batch`` rows: 1-32 run TwELL's decode path, 33-512 its cuBLAS route. The last
+hidden state after the same tokens is compared between the two; the table is printed last.
+
+    python examples/bench_decode.py --batch 1 8 32 --steps 64
+    python examples/bench_decode.py --device cpu --layers 1 --hidden 64 --intermediate 256 --heads 4 \\
+        --vocab 128 --steps 3 --warmup 1 --mode default   # a smoke run on CPU (reference ops)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench_model import build_model
+
+
+def _time_ms(fn, device: str) -> float:
+    if device == "cpu":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def decode_run(model, backend: str, mode: str, prompt: torch.Tensor, tokens: torch.Tensor, warmup: int,
+               rounds: int, device: str) -> tuple[list[float], torch.Tensor]:
+    """(ms per step of each timed round, the last hidden state after the prompt and all of ``tokens``
+    that the first round fed)."""
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    step = torch.compile(model.model, backend=backend, mode=mode)
+    batch, prompt_len = prompt.shape
+    steps = tokens.shape[1] - warmup
+    per_step, last = [], None
+    for r in range(rounds):
+        cache = StaticCache(config=model.config, max_cache_len=prompt_len + tokens.shape[1])
+        positions = torch.arange(prompt_len + tokens.shape[1], device=device)
+        model.model(input_ids=prompt, past_key_values=cache, cache_position=positions[:prompt_len],
+                    use_cache=True)  # the prefill, eager: only the steps are timed
+
+        def run(first: int, count: int):
+            out = None
+            for i in range(first, first + count):
+                pos = positions[prompt_len + i:prompt_len + i + 1]
+                out = step(input_ids=tokens[:, i:i + 1], past_key_values=cache, cache_position=pos,
+                           position_ids=pos.expand(batch, 1), use_cache=True).last_hidden_state
+            return out
+
+        run(0, warmup)  # compiles (first round), records the CUDA graphs, warms the caches
+        result = []
+        per_step.append(_time_ms(lambda: result.append(run(warmup, steps)), device) / steps)
+        if last is None:
+            last = result[0].float().clone()
+    return per_step, last
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence (prefilled, not timed)")
+    parser.add_argument("--steps", type=int, default=64, help="timed decode steps per round")
+    parser.add_argument("--warmup", type=int, default=8, help="untimed decode steps before them")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mode", default="reduce-overhead")
+    parser.add_argument("--layers", type=int, default=38)
+    parser.add_argument("--nnz", type=float, default=24.0, help="active units per token the gate biases aim at")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+
+    import twell_compile  # registers backend="twell"
+
+    torch.manual_seed(0)
+    model = build_model(args.layers, args.nnz, max(args.prompt, 64), args.device, args.hidden, args.intermediate,
+                        args.heads, args.vocab)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"{name}; Llama {args.layers} layers, hidden {args.hidden}, intermediate {args.intermediate}; prompt "
+          f"{args.prompt}, {args.warmup} + {args.steps} steps a round, {args.rounds} rounds; mode {args.mode}",
+          flush=True)
+    rows = []
+    with torch.inference_mode():
+        for batch in args.batch:
+            prompt = torch.randint(0, args.vocab, (batch, args.prompt), device=args.device)
+            tokens = torch.randint(0, args.vocab, (batch, args.warmup + args.steps), device=args.device)
+            dense, dense_last = decode_run(model, "inductor", args.mode, prompt, tokens, args.warmup, args.rounds,
+                                           args.device)
+            twell, twell_last = decode_run(model, "twell", args.mode, prompt, tokens, args.warmup, args.rounds,
+                                           args.device)
+            rewritten = sum(r.rewritten_count for r in twell_compile.last_reports())
+            rel = ((twell_last - dense_last).norm() / dense_last.norm()).item()
+            rows.append((batch, statistics.median(dense), statistics.median(twell), rel, rewritten))
+            print(f"batch {batch}: dense {dense} ms/step, twell {twell} ms/step, rel. diff {rel:.2e}, "
+                  f"MLP blocks rewritten in the last graph compiled: {rewritten}/{args.layers}", flush=True)
+    print(f"\n{name}; ms per decode step (median of {args.rounds} rounds of {args.steps} steps); mode {args.mode}")
+    print("| batch | dense compile ms | twell ms | speedup | rel. diff of the last hidden state | MLPs rewritten |")
+    print("|---|---|---|---|---|---|")
+    for batch, dense, twell, rel, rewritten in rows:
+        print(f"| {batch} | {dense:.3f} | {twell:.3f} | {dense / twell:.3f}x | {rel:.2e} | {rewritten}/{args.layers} |")
+
+
+if __name__ == "__main__":
+    main()
