@@ -241,9 +241,10 @@ class KernelConfig:
     the stream still runs and waits for it on the device before touching memory
     (csrc/cluster_launch.cuh), so most of the launch latency between a call's four short kernels is
     hidden. Under CUDA graphs of 8 calls at the 2B shape and 24 active units, in one process with
-    the setting alternated (H200, 2026-11-29, examples/ab_programmatic_launch.py): 8.6% less time at
-    1 row, 7.8% at 4, 10% at 16, 3.8% at 32. Larger calls are launched plainly: there it measured
-    1.4-5.3% slower at 1024-16384 rows and level at 131072. Off: every launch plain."""
+    the setting alternated (H200, 2026-11-29, examples/ab_programmatic_launch.py, two runs): 6.5-10%
+    less time at 1-16 rows, uniform or skewed, and 3.8-4.7% at 32; bit for bit the same outputs.
+    Larger calls are launched plainly: there it measured 1.4-5.3% slower at 1024-16384 rows and level
+    at 131072. Off: every launch plain."""
     poison_buffers: bool = False
     """Tests: fill the output and work buffers with NaN/garbage instead of leaving them uninitialised,
     so any element a kernel fails to write shows up."""
