@@ -169,8 +169,11 @@ class DensityRouter:
             layer = self._layer(weight, create=not capturing)
             if layer is None:
                 return False, False
-            self._read_landed(layer, wait_s=CAPTURE_WAIT_S if capturing else 0.0)
-            state = layer.classes.setdefault(size_class, _ClassState())
+            if layer.pending:
+                self._read_landed(layer, wait_s=CAPTURE_WAIT_S if capturing else 0.0)
+            state = layer.classes.get(size_class)  # (setdefault would build a _ClassState every call)
+            if state is None:
+                state = layer.classes[size_class] = _ClassState()
             if state.share is not None:
                 enter = enter_share(rows, size_class)
                 state.cublas = state.share >= (LEAVE_FRACTION * enter if state.cublas else enter)

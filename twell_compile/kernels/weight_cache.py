@@ -62,7 +62,8 @@ def _empty_outside_graph_pools(shape: tuple[int, ...], like: torch.Tensor) -> to
 
 def weight_key(weight: torch.Tensor) -> tuple:
     """What identifies a weight to the caches (and to density_route.py) while its storage is alive."""
-    return (weight.data_ptr(), weight.device, weight.dtype, tuple(weight.shape), tuple(weight.stride()))
+    # (torch.Size is a tuple and stride() returns one: no conversions, this runs several times a call)
+    return (weight.data_ptr(), weight.device, weight.dtype, weight.shape, weight.stride())
 
 
 def _transpose(weight: torch.Tensor) -> torch.Tensor:
