@@ -15,15 +15,12 @@ import argparse
 import statistics
 
 import torch
-import torch.nn.functional as F
 
 import twell_compile  # noqa: F401  (registers torch.ops.twell)
 from twell_compile.testing import (check_output, cuda_graph_time_ms, cuda_time_ms, kernel_config, make_problem,
                                    problem_references)
 
-
-def dense_mlp(x, wg, wu, wd):
-    return F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
+from bench_mlp import dense_mlp
 
 
 def main() -> None:

@@ -24,6 +24,19 @@ def _twell_kernels_ready() -> bool:
 requires_twell_kernels = pytest.mark.skipif(not _twell_kernels_ready(),
                                             reason="needs a Hopper GPU with the TwELL kernels built")
 
+# Kernel settings (twell_compile.testing.kernel_config overrides) of the CUDA tests. KERNELS_ONLY: the
+# TwELL kernels at every row count and density, where the plan would hand a call to cuBLAS
+# (config.cublas_rows) or route a dense layer there. KERNEL_PATHS: the dense-path decision forced one
+# way or the other, and the kernels' own (device-side, per 128-row block), all on the TwELL kernels.
+KERNELS_ONLY = dict(cublas_rows=(1, 0), route_by_density=False)
+KERNEL_PATHS = {
+    "sparse": dict(dense_block_density=float("inf"), decode_dense_block_density=float("inf"),
+                   chunked_dense_block_density=float("inf"), heavy_block_overflow_tiles=2**31 - 1, **KERNELS_ONLY),
+    "dense": dict(dense_block_density=0.0, decode_dense_block_density=0.0, chunked_dense_block_density=0.0,
+                  **KERNELS_ONLY),
+    "auto": KERNELS_ONLY,
+}
+
 
 def twell_to_dense(packed, counts, backup, tile: int = 128):
     """relu(activation) [M, F] in float64, rebuilt from the TwELL format the gate kernels write: the

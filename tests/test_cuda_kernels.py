@@ -13,23 +13,14 @@ import torch
 
 import twell_compile  # noqa: F401
 from twell_compile import reference
-from helpers import requires_twell_kernels
+from helpers import KERNEL_PATHS, KERNELS_ONLY, requires_twell_kernels
 from twell_compile.testing import check_output, kernel_config, make_problem, problem_references, relative_error
 
 pytestmark = pytest.mark.cuda
 
 
-# The TwELL kernels at every row count: calls the plan would hand to cuBLAS (config.cublas_rows) too.
-KERNELS_ONLY = dict(cublas_rows=(1, 0), route_by_density=False)
-# Dense-path decision forced one way or the other, and the kernels' own (device-side, per 128-row
-# block), all on the TwELL kernels; "default" is the op as shipped, cuBLAS route included.
-PATHS = {
-    "sparse": dict(dense_block_density=float("inf"), decode_dense_block_density=float("inf"),
-                   chunked_dense_block_density=float("inf"), heavy_block_overflow_tiles=2**31 - 1, **KERNELS_ONLY),
-    "dense": dict(dense_block_density=0.0, decode_dense_block_density=0.0, chunked_dense_block_density=0.0,
-                  **KERNELS_ONLY),
-    "auto": KERNELS_ONLY,
-}
+# "default" is the op as shipped, cuBLAS route included; the others are KERNEL_PATHS (helpers.py).
+PATHS = KERNEL_PATHS
 DEFAULT = "default"
 
 

@@ -15,20 +15,11 @@ import torch
 import torch.nn.functional as F
 
 import twell_compile  # noqa: F401
-from helpers import requires_twell_kernels
+from helpers import KERNEL_PATHS as PATHS, KERNELS_ONLY, requires_twell_kernels
 from twell_compile.kernels import twell_mlp
 from twell_compile.testing import check_output, kernel_config, make_problem, problem_references
 
 pytestmark = [pytest.mark.cuda, requires_twell_kernels]
-
-KERNELS_ONLY = dict(cublas_rows=(1, 0), route_by_density=False)
-# The dense-path decision of a decode call forced either way, and the kernels' own.
-PATHS = {
-    "sparse": dict(decode_dense_block_density=float("inf"), dense_block_density=float("inf"), **KERNELS_ONLY),
-    "dense": dict(decode_dense_block_density=0.0, dense_block_density=0.0, **KERNELS_ONLY),
-    "auto": KERNELS_ONLY,
-}
-
 
 def _op(problem, gated: bool):
     if gated:
