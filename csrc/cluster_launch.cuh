@@ -20,9 +20,9 @@ constexpr int kNonPortableClusterMax = 16;  // H100 / H200, with the kernel's op
 
 // Whether the launches made on this thread carry the programmatic-stream-serialization attribute
 // (programmatic dependent launch): a kernel may then be scheduled before the previous kernel in the
-// stream has finished, and waits for it on the device (ptx::wait_for_predecessor_grid, the first thing
-// each kernel launched here does). That hides most of each launch's latency between the short kernels
-// of a decode-sized call. Off unless a ProgrammaticLaunchScope says otherwise.
+// stream has finished, and waits for it on the device (the first thing each kernel launched here does:
+// ptx::wait_for_predecessor_then_release_successor). That hides most of each launch's latency between
+// the short kernels of a decode-sized call. Off unless a ProgrammaticLaunchScope says otherwise.
 inline bool& programmatic_launches() {
   thread_local bool enabled = false;
   return enabled;
@@ -42,7 +42,7 @@ class ProgrammaticLaunchScope {
 
 // One launch of `grid` CTAs of `threads` threads, in clusters of `cluster` CTAs along x (1: plain CTAs,
 // no cluster attribute). Not copyable: the configuration points at the object's own attributes.
-// The kernel must begin with ptx::wait_for_predecessor_grid (see programmatic_launches).
+// The kernel must begin with ptx::wait_for_predecessor_then_release_successor (see programmatic_launches).
 class KernelLaunch {
  public:
   template <typename... Params>

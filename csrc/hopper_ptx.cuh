@@ -162,7 +162,7 @@ __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
 // waits before it can finish, a grid's completion still implies its predecessors' (the next normal
 // launch relies on that). Then it lets its own successor start launching, so that launch's latency
 // overlaps this kernel's run. Both are no-ops in a normal launch.
-__device__ __forceinline__ void wait_for_predecessor_grid() {
+__device__ __forceinline__ void wait_for_predecessor_then_release_successor() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }

@@ -138,7 +138,7 @@ __device__ __forceinline__ void load_gate4(const DecodeGemvArgs& args, int64_t r
 // lane has kUnroll x 4 loads of B in flight.
 template <typename T, Epilogue kMode, int kMTiles, int kUnroll>
 __global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvArgs args, const int cluster) {
-  ptx::wait_for_predecessor_grid();
+  ptx::wait_for_predecessor_then_release_successor();
   // Dense-path epilogues: the whole grid reads the same test, so either every CTA of a cluster leaves
   // here or none does (none then waits at a cluster barrier for one that left).
   if constexpr (kMode != Epilogue::kTwellPack) {

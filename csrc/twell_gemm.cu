@@ -1135,7 +1135,7 @@ __global__ void __launch_bounds__(Schedule<kMode, kTileM>::kThreads, 1) twell_ge
     const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map, EpilogueArgs args,
     int K, int n_tiles_m, int n_tiles_n, int group_m) {
   static_assert(kCluster == 1 || kCluster == 2, "single CTAs or pairs");
-  ptx::wait_for_predecessor_grid();
+  ptx::wait_for_predecessor_then_release_successor();
   extern __shared__ uint8_t smem_raw[];
   Smem sm;
   BlockFilter filter;

@@ -490,7 +490,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1) chunked_mlp_kernel(
     const T* __restrict__ b_down,         // [D] or null
     T* __restrict__ out,                  // [M, D]
     const uint32_t* __restrict__ entries, const int64_t* __restrict__ prefix, RowOrder row_order, int K, int D, int F) {
-  ptx::wait_for_predecessor_grid();
+  ptx::wait_for_predecessor_then_release_successor();
   const int64_t M = row_order.M;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t slice_bytes = static_cast<uint32_t>(F) * kSlice * sizeof(T);

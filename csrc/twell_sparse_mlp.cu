@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, (kSparseMinBlocks<kThreads, NV, kEnt
     T* __restrict__ out,                // [M, D]
     int K, int D, int F, int n_tiles, int cap, int tile_n, int cols_per_split, DenseBlockTest dense_test,
     int cluster) {
-  ptx::wait_for_predecessor_grid();
+  ptx::wait_for_predecessor_then_release_successor();
   const int64_t row = kEntrySplit ? blockIdx.x / cluster : blockIdx.x;  // one row per CTA (per cluster)
   const int rank = kEntrySplit ? static_cast<int>(ptx::cluster_ctarank()) : 0;
   // Rows of dense blocks belong to the dense path (the same test as its kernels). The CTAs of a
