@@ -135,9 +135,12 @@ __device__ __forceinline__ void load_gate4(const DecodeGemvArgs& args, int64_t r
 }
 
 // kMTiles 16-row MMA tiles cover the M rows. kUnroll K chunks are loaded before their MMAs run, so a
-// lane has kUnroll x 4 loads of B in flight.
+// lane has kUnroll x 4 loads of B in flight. The launch bound's 3 CTAs per SM (at most 170 registers)
+// is what the 2B gate's 352 CTAs need for one wave on 132 SMs; it also makes ptxas issue a step's
+// loads together (24 at one row), where without it ptxas interleaved them with the previous chunk's
+// MMAs, about 5 in flight.
 template <typename T, Epilogue kMode, int kMTiles, int kUnroll>
-__global__ void __launch_bounds__(kThreads) decode_gemv_kernel(const DecodeGemvArgs args, const int cluster) {
+__global__ void __launch_bounds__(kThreads, 3) decode_gemv_kernel(const DecodeGemvArgs args, const int cluster) {
   ptx::wait_for_predecessor_then_release_successor();
   // Dense-path epilogues: the whole grid reads the same test, so either every CTA of a cluster leaves
   // here or none does (none then waits at a cluster barrier for one that left).
