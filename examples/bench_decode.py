@@ -9,6 +9,7 @@ step's MLPs see ``--batch`` rows: 1-32 run TwELL's decode path, 33-512 its cuBLA
 hidden state after the same tokens is compared between the two; the table is printed last.
 
     python examples/bench_decode.py --batch 1 8 32 --steps 64
+    python examples/bench_decode.py --batch 1 32 --profile 16   # and each backend's GPU time per kernel
     python examples/bench_decode.py --device cpu --layers 1 --hidden 64 --intermediate 256 --heads 4 \\
         --vocab 128 --steps 3 --warmup 1 --mode default   # a smoke run on CPU (reference ops)
 """
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from bench_model import build_model
+from bench_model import build_model, kernel_times_ms
 
 
 def _time_ms(fn, device: str) -> float:
@@ -38,9 +39,10 @@ def _time_ms(fn, device: str) -> float:
 
 
 def decode_run(model, backend: str, mode: str, prompt: torch.Tensor, tokens: torch.Tensor, warmup: int,
-               rounds: int, device: str) -> tuple[list[float], torch.Tensor]:
+               rounds: int, device: str, profile_steps: int = 0) -> tuple[list[float], torch.Tensor, list]:
     """(ms per step of each timed round, the last hidden state after the prompt and all of ``tokens``
-    that the first round fed)."""
+    that the first round fed, and with ``profile_steps`` the GPU time per kernel of that many steps
+    after the last round, in ms per step: (name, ms, launches per step))."""
     from transformers import StaticCache
 
     torch._dynamo.reset()
@@ -67,7 +69,11 @@ def decode_run(model, backend: str, mode: str, prompt: torch.Tensor, tokens: tor
         per_step.append(_time_ms(lambda: result.append(run(warmup, steps)), device) / steps)
         if last is None:
             last = result[0].float().clone()
-    return per_step, last
+    kernels = []
+    if profile_steps:
+        kernels = [(name, ms / profile_steps, n / profile_steps)
+                   for name, ms, n in kernel_times_ms(lambda: run(warmup, profile_steps), top=16)]
+    return per_step, last, kernels
 
 
 def main() -> None:
@@ -85,7 +91,13 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="also print each backend's GPU time per kernel over this many steps (CUDA only)")
     args = parser.parse_args()
+    if args.profile and args.device != "cuda":
+        parser.error("--profile needs --device cuda")
+    if args.profile > args.steps:
+        parser.error("--profile takes at most --steps steps")
 
     import twell_compile  # registers backend="twell"
 
@@ -101,10 +113,15 @@ def main() -> None:
         for batch in args.batch:
             prompt = torch.randint(0, args.vocab, (batch, args.prompt), device=args.device)
             tokens = torch.randint(0, args.vocab, (batch, args.warmup + args.steps), device=args.device)
-            dense, dense_last = decode_run(model, "inductor", args.mode, prompt, tokens, args.warmup, args.rounds,
-                                           args.device)
-            twell, twell_last = decode_run(model, "twell", args.mode, prompt, tokens, args.warmup, args.rounds,
-                                           args.device)
+            dense, dense_last, dense_kernels = decode_run(model, "inductor", args.mode, prompt, tokens, args.warmup,
+                                                          args.rounds, args.device, args.profile)
+            twell, twell_last, twell_kernels = decode_run(model, "twell", args.mode, prompt, tokens, args.warmup,
+                                                          args.rounds, args.device, args.profile)
+            for label, kernels in (("dense", dense_kernels), ("twell", twell_kernels)):
+                if kernels:
+                    print(f"\nbatch {batch}, {label}: GPU time per kernel, per decode step (the 16 largest, then all)")
+                    for name, ms, n in kernels:
+                        print(f"  {ms * 1e3:9.1f} us  {n:6.1f}x  {name[:110]}")
             rewritten = sum(r.rewritten_count for r in twell_compile.last_reports())
             rel = ((twell_last - dense_last).norm() / dense_last.norm()).item()
             rows.append((batch, statistics.median(dense), statistics.median(twell), rel, rewritten))
