@@ -347,7 +347,7 @@ void dispatch_rows(const DecodeGemvArgs& args, int n_chunks, int requested_clust
   // The unroll keeps 16-24 loads of 16 bytes in flight per lane, within 255 registers.
   switch ((args.M + 15) / 16) {
     case 1: launch<T, kMode, 1, 4>(args, n_chunks, requested_cluster); break;
-    case 2: launch<T, kMode, 2, 4>(args, n_chunks, requested_cluster); break;
+    case 2: launch<T, kMode, 2, 3>(args, n_chunks, requested_cluster); break;  // 24 loads, all before the MMAs
     case 3: launch<T, kMode, 3, 2>(args, n_chunks, requested_cluster); break;
     default: launch<T, kMode, 4, 2>(args, n_chunks, requested_cluster); break;
   }

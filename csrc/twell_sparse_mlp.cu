@@ -97,8 +97,14 @@ __device__ int scan_tile_counts(const int* __restrict__ counts, int n_tiles, int
 // Past decode sizes (128 threads, a CTA per row) with at most two column groups per thread, 8 CTAs per
 // SM instead of the 7 that 72 registers allow: a call of 1024 rows, which then ran in two waves of
 // 924 and 100 CTAs on 132 SMs, fits in one (at the cost of a few spilled bytes).
+// The entry split's 256-thread CTAs, two per SM (at most 128 registers): a 32-row call's 256 CTAs then
+// run in one wave on 132 SMs, with the loads below batched (8 steps of W_up, 8 entries of W_down^T).
 template <int kThreads, int NV, bool kEntrySplit>
-constexpr int kSparseMinBlocks = (kThreads == 128 && NV <= 2 && !kEntrySplit) ? 8 : 1;
+constexpr int kSparseMinBlocks = (kThreads == 128 && NV <= 2 && !kEntrySplit) ? 8 : kEntrySplit ? 2 : 1;
+// Whether a thread batches its loads (below): the entry split only, whose 128 registers hold them. At 8
+// CTAs of 128 threads per SM the batch spilled; the 256-thread column splits would drop to one CTA per SM.
+template <bool kEntrySplit>
+constexpr bool kSparseBatchLoads = kEntrySplit;
 
 template <typename T, int VEC, int NV, bool GATED, int kThreads, bool kEntrySplit>
 __global__ void __launch_bounds__(kThreads, (kSparseMinBlocks<kThreads, NV, kEntrySplit>)) sparse_mlp_kernel(
@@ -190,7 +196,10 @@ __global__ void __launch_bounds__(kThreads, (kSparseMinBlocks<kThreads, NV, kEnt
         const T* w_row = w_up + static_cast<int64_t>(list_unit[e]) * K;
         const T* w_row2 = w_up + static_cast<int64_t>(list_unit[e2]) * K;
         float s = 0.f, s2 = 0.f;
-#pragma unroll 4
+        // The entry split (decode sizes): 8 steps a batch, the 2B shape's whole K (2048 = 8 x 32 lanes x 8)
+        // at once (ptxas issues 12 loads, then the rest as the first arrive) instead of two batches of 12.
+        constexpr int kUpUnroll = kSparseBatchLoads<kEntrySplit> ? 8 : 4;
+#pragma unroll kUpUnroll
         for (int k = lane * VEC; k < K; k += 32 * VEC) {
           float xv[VEC], wv[VEC], wv2[VEC];
           load_floats<T, VEC>(x_row + k, xv);
@@ -221,18 +230,56 @@ __global__ void __launch_bounds__(kThreads, (kSparseMinBlocks<kThreads, NV, kEnt
     // One column group per thread (small batches, many column splits): twice the loads in flight, since
     // there latency rather than L2 throughput bounds the loop.
     constexpr int kDownUnroll = NV == 1 ? 8 : 4;
-#pragma unroll kDownUnroll
-    for (int e = lo; e < hi; ++e) {
-      const float h = list_h[e];
-      const T* d_row = w_down_t + static_cast<int64_t>(list_unit[e]) * D;
+    if constexpr (kSparseBatchLoads<kEntrySplit>) {
+      // The entry split (decode sizes): kDownUnroll entries at a time, all their loads issued first.
+      // Nothing may branch between those loads: with a bounds test per entry and column group (the
+      // loop below), ptxas issued one load, waited for it, then issued the next, one round trip to
+      // memory per entry. So an entry past the chunk's end loads the chunk's first entry's row
+      // again and adds nothing, and a column group past col1 loads column 0 and is never stored. The
+      // sums run in the same order as one entry at a time.
+      int load_col[NV];
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
         const int col = col0 + (j * kThreads + threadIdx.x) * VEC;
-        if (col < col1) {
-          float wv[VEC];
-          load_floats<T, VEC>(d_row + col, wv);
+        load_col[j] = col < col1 ? col : 0;
+      }
+      for (int e0 = lo; e0 < hi; e0 += kDownUnroll) {
+        Pack<T, VEC> wv[kDownUnroll][NV];
+        float h[kDownUnroll];
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) acc[j][v] = fmaf(h, wv[v], acc[j][v]);
+        for (int u = 0; u < kDownUnroll; ++u) {
+          const bool live = e0 + u < hi;
+          h[u] = live ? list_h[e0 + u] : 0.f;
+          const T* d_row = w_down_t + static_cast<int64_t>(list_unit[live ? e0 + u : lo]) * D;
+#pragma unroll
+          for (int j = 0; j < NV; ++j) wv[u][j] = *reinterpret_cast<const Pack<T, VEC>*>(d_row + load_col[j]);
+        }
+#pragma unroll
+        for (int u = 0; u < kDownUnroll; ++u) {
+          if (e0 + u < hi) {
+#pragma unroll
+            for (int j = 0; j < NV; ++j)
+#pragma unroll
+              for (int v = 0; v < VEC; ++v) acc[j][v] = fmaf(h[u], Dtype16<T>::to_float(wv[u][j].v[v]), acc[j][v]);
+          }
+        }
+      }
+    } else {
+      // Past decode sizes, many CTAs per SM hide the latency (and the batch above would spill or cost
+      // occupancy, kSparseBatchLoads).
+#pragma unroll kDownUnroll
+      for (int e = lo; e < hi; ++e) {
+        const float h = list_h[e];
+        const T* d_row = w_down_t + static_cast<int64_t>(list_unit[e]) * D;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          const int col = col0 + (j * kThreads + threadIdx.x) * VEC;
+          if (col < col1) {
+            float wv[VEC];
+            load_floats<T, VEC>(d_row + col, wv);
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) acc[j][v] = fmaf(h, wv[v], acc[j][v]);
+          }
         }
       }
     }

@@ -65,10 +65,11 @@ def test_decode_gate_gemv_issues_a_steps_loads_before_its_mmas(tmp_path):
     )
     assert build.returncode == 0, build.stderr[-3000:]
     sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    # decode_gemv_kernel<__nv_bfloat16, Epilogue::kTwellPack, 1 MMA row tile, unroll 4>: the gate at 1-16 rows.
-    body = _kernel_sass(sass, r".*decode_gemv_kernelI13__nv_bfloat16LNS0_8EpilogueE0ELi1ELi4E")
-    first_mma = next(i for i, line in enumerate(body) if "HMMA" in line)
-    loads = sum("LDG.E.128" in line for line in body[:first_mma])
-    # A step: 4 chunks x (4 runs of W + 2 of x; the second row half of x is predicated off at one row,
-    # but still issued). Ask for most of them, not an exact schedule.
-    assert loads >= 16, f"only {loads} 16-byte loads before the first MMA: ptxas serialized the step's loads"
+    # decode_gemv_kernel<__nv_bfloat16, Epilogue::kTwellPack, MMA row tiles, K chunks a step>: the gate at
+    # 1-16 rows (one tile, 4 chunks: 4 x (4 runs of W + 2 of x) = 24 loads a step) and 17-32 rows (two
+    # tiles, 3 chunks: 3 x (4 + 4) = 24). Ask for most of them, not an exact schedule.
+    for variant in ("Li1ELi4E", "Li2ELi3E"):
+        body = _kernel_sass(sass, r".*decode_gemv_kernelI13__nv_bfloat16LNS0_8EpilogueE0E" + variant)
+        first_mma = next(i for i, line in enumerate(body) if "HMMA" in line)
+        loads = sum("LDG.E.128" in line for line in body[:first_mma])
+        assert loads >= 16, f"{variant}: only {loads} 16-byte loads before the first MMA: ptxas serialized them"
