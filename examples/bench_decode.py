@@ -43,18 +43,22 @@ def decode_run(model, backend: str, mode: str, prompt: torch.Tensor, tokens: tor
     """(ms per step of each timed round, the last hidden state after the prompt and all of ``tokens``
     that the first round fed, and with ``profile_steps`` the GPU time per kernel of that many steps
     after the last round, in ms per step: (name, ms, launches per step))."""
-    from transformers import StaticCache
 
     torch._dynamo.reset()
     step = torch.compile(model.model, backend=backend, mode=mode)
     batch, prompt_len = prompt.shape
     steps = tokens.shape[1] - warmup
-    per_step, last = [], None
-    for r in range(rounds):
+
+    def prefilled_round():
+        """A fresh static cache holding the prompt (prefilled eagerly: only the steps are timed), and
+        ``run(first, count)`` feeding it ``tokens[:, first:first + count]``. Each round needs its own
+        cache: recent transformers' StaticCache counts the tokens written to it, so it fills up."""
+        from transformers import StaticCache
+
         cache = StaticCache(config=model.config, max_cache_len=prompt_len + tokens.shape[1])
         positions = torch.arange(prompt_len + tokens.shape[1], device=device)
         model.model(input_ids=prompt, past_key_values=cache, cache_position=positions[:prompt_len],
-                    use_cache=True)  # the prefill, eager: only the steps are timed
+                    use_cache=True)
 
         def run(first: int, count: int):
             out = None
@@ -65,14 +69,27 @@ def decode_run(model, backend: str, mode: str, prompt: torch.Tensor, tokens: tor
             return out
 
         run(0, warmup)  # compiles (first round), records the CUDA graphs, warms the caches
+        return run
+
+    per_step, last = [], None
+    for r in range(rounds):
+        run = prefilled_round()
         result = []
         per_step.append(_time_ms(lambda: result.append(run(warmup, steps)), device) / steps)
         if last is None:
             last = result[0].float().clone()
     kernels = []
     if profile_steps:
+        # kernel_times_ms calls its function twice (a warm-up, then the profiled call): each call takes
+        # the next profile_steps tokens of one more round, within the cache (main checks 2x <= steps).
+        run, fed = prefilled_round(), [warmup]
+
+        def next_steps():
+            run(fed[0], profile_steps)
+            fed[0] += profile_steps
+
         kernels = [(name, ms / profile_steps, n / profile_steps)
-                   for name, ms, n in kernel_times_ms(lambda: run(warmup, profile_steps), top=16)]
+                   for name, ms, n in kernel_times_ms(next_steps, top=16)]
     return per_step, last, kernels
 
 
@@ -96,8 +113,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.profile and args.device != "cuda":
         parser.error("--profile needs --device cuda")
-    if args.profile > args.steps:
-        parser.error("--profile takes at most --steps steps")
+    if 2 * args.profile > args.steps:
+        parser.error("--profile takes at most half of --steps steps (it feeds them twice, warm-up and profiled)")
 
     import twell_compile  # registers backend="twell"
 
