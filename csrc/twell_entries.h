@@ -173,6 +173,7 @@ struct MlpPlan {
   int64_t sparse_cluster = 1;
   bool chunked = false;            // the chunked sparse kernel (given the sliced weights)
   bool programmatic = false;       // programmatic dependent launches (csrc/cluster_launch.cuh)
+  bool dense_path_branch = false;  // decode_dense under CUDA graph capture: the dense path on a forked branch
   int64_t thr_full = 0;            // the dense-block test (csrc/dense_block_test.cuh)
   int64_t thr_last = 0;
   int64_t thr_heavy = 0;

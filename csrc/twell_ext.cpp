@@ -92,7 +92,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("poison", &twell::MlpPlan::poison)
       .def_readwrite("poison_word", &twell::MlpPlan::poison_word)
       .def_readwrite("poison_count", &twell::MlpPlan::poison_count)
-      .def_readwrite("programmatic", &twell::MlpPlan::programmatic);
+      .def_readwrite("programmatic", &twell::MlpPlan::programmatic)
+      .def_readwrite("dense_path_branch", &twell::MlpPlan::dense_path_branch);
   m.def("mlp_forward", &twell::mlp_forward,
         "The whole CUDA path of one twell MLP call in one host call (csrc/twell_mlp_forward.cpp): "
         "(out, counts, block_nnz), or None when an operand lacks contiguous 16-byte aligned rows",

@@ -176,6 +176,11 @@ class KernelConfig:
     """Calls of at most 64 rows run the dense path's GEMMs as split-K GEMVs over clusters of CTAs
     (csrc/twell_decode_gemv.cu), as the decode gate does; off, the wgmma GEMMs, which put the 2B down
     projection's 16 column tiles on 16 SMs."""
+    decode_dense_branch: bool = os.environ.get("TWELL_DECODE_DENSE_BRANCH", "1") != "0"
+    """Under CUDA graph capture, calls of at most 64 rows launch the dense path's two GEMVs on a branch
+    of the graph forked after the gate and joined at the end of the call (csrc/twell_mlp_forward.cpp),
+    so that in a sparse call, where they only read the block test and exit, they do so beside the
+    sparse kernel rather than as two more dependent launches after it. Eager calls never fork."""
     decode_gemv_cluster: int = int(os.environ.get("TWELL_DECODE_GEMV_CLUSTER", "0"))
     """CTAs per cluster of the decode GEMVs, which split each column tile along K: 0 chooses (8, or 16
     where 8 would leave SMs idle and the GPU schedules 16); 1 to 16 forces a size (for measurements)."""
@@ -607,6 +612,7 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     cuda.sparse_splits, cuda.sparse_threads, cuda.sparse_cluster = launch.splits, launch.threads, launch.cluster
     cuda.chunked = chunked
     cuda.programmatic = config.programmatic_launch and cuda.decode_gate
+    cuda.dense_path_branch = config.decode_dense_branch
     cuda.thr_full, cuda.thr_last, cuda.thr_heavy = kernel_thresholds
     cuda.poison, cuda.poison_word, cuda.poison_count = config.poison_buffers, _POISON_WORD, _POISON_COUNT
     # A chunked call returns the chunked kernel's decision per block (1: dense) instead of block_nnz.
