@@ -72,7 +72,7 @@ def decode_run(model, backend: str, mode: str, prompt: torch.Tensor, tokens: tor
         return run
 
     per_step, last = [], None
-    for r in range(rounds):
+    for _ in range(rounds):
         run = prefilled_round()
         result = []
         per_step.append(_time_ms(lambda: result.append(run(warmup, steps)), device) / steps)
@@ -82,11 +82,12 @@ def decode_run(model, backend: str, mode: str, prompt: torch.Tensor, tokens: tor
     if profile_steps:
         # kernel_times_ms calls its function twice (a warm-up, then the profiled call): each call takes
         # the next profile_steps tokens of one more round, within the cache (main checks 2x <= steps).
-        run, fed = prefilled_round(), [warmup]
+        run, fed = prefilled_round(), warmup
 
         def next_steps():
-            run(fed[0], profile_steps)
-            fed[0] += profile_steps
+            nonlocal fed
+            run(fed, profile_steps)
+            fed += profile_steps
 
         kernels = [(name, ms / profile_steps, n / profile_steps)
                    for name, ms, n in kernel_times_ms(next_steps, top=16)]

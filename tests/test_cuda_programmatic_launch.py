@@ -21,6 +21,7 @@ from twell_compile.testing import check_output, kernel_config, make_problem, pro
 
 pytestmark = [pytest.mark.cuda, requires_twell_kernels]
 
+
 def _op(problem, gated: bool):
     if gated:
         return torch.ops.twell.gated_relu_mlp(*problem.gated_args())

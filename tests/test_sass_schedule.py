@@ -4,8 +4,9 @@ ptxas may schedule a load late, next to its first use. For ``decode_gemv_kernel`
 step's loads with the previous step's MMAs, about 5 of a step's 24 loads in flight per lane, until its
 launch bound asked for 3 CTAs per SM (csrc/twell_decode_gemv.cu; with cold weights that made the 2B
 gate GEMV 1.0-1.2 us faster on an H200). This compiles the file for sm_90a, device code only, and counts
-the 16-byte global loads issued before the first MMA in the SASS of the one-row gate kernel. It needs
-nvcc and cuobjdump (Triton's wheel ships one) and skips without them; about a minute of compiling.
+the 16-byte global loads issued before the first MMA in the SASS of the gate kernels for 1-16 and 17-32
+rows. It needs nvcc and cuobjdump (Triton's wheel ships one) and skips without them; about a minute
+of compiling.
 """
 
 from __future__ import annotations
