@@ -187,6 +187,17 @@ __global__ void __launch_bounds__(kThreads, (kSparseMinBlocks<kThreads, NV, kEnt
     const int n = c1 - c0;
     const int lo = kEntrySplit ? n * rank / cluster : 0;  // this CTA's entries of the chunk
     const int hi = kEntrySplit ? n * (rank + 1) / cluster : n;
+    // The entry split (decode sizes), gated: step 4's W_down^T rows are known now, but read only after
+    // step 3's round trip to memory for W_up. Prefetched to L2 here (a 128-byte line per thread), step 4
+    // finds them there or on their way instead of making a second round trip.
+    if constexpr (GATED && kSparseBatchLoads<kEntrySplit>) {
+      constexpr int kLineElems = 128 / static_cast<int>(sizeof(T));
+      const int lines = (col1 - col0 + kLineElems - 1) / kLineElems;
+      for (int i = threadIdx.x; i < (hi - lo) * lines; i += kThreads) {
+        const int e = lo + i / lines, line = i % lines;
+        ptx::prefetch_l2(w_down_t + static_cast<int64_t>(list_unit[e]) * D + col0 + line * kLineElems);
+      }
+    }
 
     // 3. gated: h = g * (x . W_up[unit] + b_up[unit]); a warp per two entries, whose loads interleave
     // (twice the loads in flight per lane; the second is a repeat of the first when there is none).
