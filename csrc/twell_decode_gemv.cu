@@ -58,6 +58,7 @@ struct DecodeGemvArgs {
   uint32_t* packed;  // [M, n_tiles, cap]: pack writes it, gate times up reads the gate from it
   int* counts;       // [M, n_tiles]: likewise
   int* block_nnz;    // [2]: pack adds the call's totals (M <= 128 rows make one decision block)
+  int2* gate_parts;  // or, if not null, pack writes each CTA's pair there (dense_block_test.cuh)
   DenseBlockTest dense_test;  // dense-path epilogues: run only if block 0 is dense
   int M, N, K, n_tiles, cap, chunks_per_cta;
   bool c_vec4;       // c's rows hold 4-column runs at 8-byte alignment (N % 4 == 0, base 8-aligned)
@@ -145,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_gemv_kernel(const DecodeGe
   // Dense-path epilogues: the whole grid reads the same test, so either every CTA of a cluster leaves
   // here or none does (none then waits at a cluster barrier for one that left).
   if constexpr (kMode != Epilogue::kTwellPack) {
-    if (!args.dense_test(0)) return;
+    if (!args.dense_test.cta_test(0, false)) return;
   }
   extern __shared__ float partial[];  // [kMTiles * 16][kPartialStride]: this CTA's K range of the tile
   const int rank = static_cast<int>(ptx::cluster_ctarank());
@@ -294,8 +295,15 @@ __global__ void __launch_bounds__(kThreads, 3) decode_gemv_kernel(const DecodeGe
     }
     __syncthreads();
     if (threadIdx.x == 0) {  // M <= 128: block 0 holds every row
-      if (cta_nnz) atomicAdd(&args.block_nnz[0], cta_nnz);
-      if (cta_overflowed) atomicAdd(&args.block_nnz[1], cta_overflowed);
+      if (args.gate_parts != nullptr) {
+        int2* parts = args.gate_parts + tile * kGatePartsPerTile;
+        parts[rank] = make_int2(cta_nnz, cta_overflowed);
+        if (rank == 0)
+          for (int r = cluster; r < kGatePartsPerTile; ++r) parts[r] = make_int2(0, 0);
+      } else {
+        if (cta_nnz) atomicAdd(&args.block_nnz[0], cta_nnz);
+        if (cta_overflowed) atomicAdd(&args.block_nnz[1], cta_overflowed);
+      }
     }
   }
   ptx::cluster_sync();  // no CTA leaves while another may still read its partial
@@ -409,13 +417,19 @@ void check_twell(const at::Tensor& packed, const at::Tensor& counts, const Decod
 }  // namespace
 
 // relu(x W^T + bias) in the TwELL format for M <= 64 rows (see the file comment). `block_nnz` must be
-// zero on entry, as for the wgmma gate GEMM.
+// zero on entry, as for the wgmma gate GEMM; or, given gate_parts, the CTAs write their pairs there
+// instead and block_nnz is left alone (dense_block_test.cuh).
 void decode_gate_twell(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                        at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz,
-                       int64_t cluster) {
+                       int64_t cluster, const c10::optional<at::Tensor>& gate_parts) {
+  static_assert(kNonPortableClusterMax <= kGatePartsPerTile, "a slot per CTA of a tile's cluster");
   DecodeGemvArgs args = check_operands(x, w, bias, dense);
   check_twell(packed, counts, args, x.device());
   check_block_nnz(block_nnz, args.M, x.device());
+  if (gate_parts.has_value()) {
+    check_gate_parts(*gate_parts, args.M, args.n_tiles, x.device());
+    args.gate_parts = reinterpret_cast<int2*>(gate_parts->data_ptr<int>());
+  }
   if (args.M == 0 || args.N == 0) return;
   args.packed = reinterpret_cast<uint32_t*>(packed.data_ptr<int>());
   args.counts = counts.data_ptr<int>();
@@ -426,13 +440,14 @@ void decode_gate_twell(const at::Tensor& x, const at::Tensor& w, const c10::opti
 
 // The dense path of decode-sized calls (M <= 64), run only when the call's block is dense: c = a b^T
 // (+ bias); or, given the gate's TwELL output (gate_packed, gate_counts, and its overflow backup in c),
-// c = relu(gate) * (a b^T + bias) in place. The thresholds are those of the sparse kernel's test.
+// c = relu(gate) * (a b^T + bias) in place. The thresholds are those of the sparse kernel's test, which
+// reads gate_parts instead of block_nnz where given (the decode gate's per-CTA pairs).
 void decode_dense_gemv(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
                        const at::Tensor& block_nnz, const c10::optional<at::Tensor>& gate_packed,
                        const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
-                       int64_t thr_heavy, int64_t cluster) {
+                       int64_t thr_heavy, int64_t cluster, const c10::optional<at::Tensor>& gate_parts) {
   DecodeGemvArgs args = check_operands(a, b, bias, c);
-  args.dense_test = dense_block_test(block_nnz, args.M, a.device(), thr_full, thr_last, thr_heavy);
+  args.dense_test = dense_block_test(block_nnz, args.M, a.device(), thr_full, thr_last, thr_heavy, gate_parts);
   const bool gate_times_up = gate_packed.has_value();
   TORCH_CHECK(gate_times_up == gate_counts.has_value(), "twell: gate_packed and gate_counts go together");
   if (gate_times_up) check_twell(*gate_packed, *gate_counts, args, a.device());

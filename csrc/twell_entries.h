@@ -16,7 +16,8 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
                     const at::Tensor& dense, const at::Tensor& block_nnz, const c10::optional<at::Tensor>& w_up,
                     const c10::optional<at::Tensor>& b_up, const at::Tensor& w_down_t,
                     const c10::optional<at::Tensor>& b_down, at::Tensor& out, int64_t tile_n, int64_t splits,
-                    int64_t threads, int64_t thr_full, int64_t thr_last, int64_t thr_heavy, int64_t cluster);
+                    int64_t threads, int64_t thr_full, int64_t thr_last, int64_t thr_heavy, int64_t cluster,
+                    const c10::optional<at::Tensor>& gate_parts = c10::nullopt);
 
 // The chunked sparse kernel (csrc/twell_sparse_chunked.cu): weights streamed through shared memory in
 // slices of kChunkSliceColumns columns of every unit, [K / 8, F, 8] (W_up) and [D / 8, F, 8]
@@ -56,18 +57,19 @@ void gate_twell_gemm(const at::Tensor& x, const at::Tensor& w, const c10::option
                      const c10::optional<at::Tensor>& split_arrivals);
 void decode_gate_twell(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                        at::Tensor& packed, at::Tensor& counts, at::Tensor& dense, at::Tensor& block_nnz,
-                       int64_t cluster);
+                       int64_t cluster, const c10::optional<at::Tensor>& gate_parts = c10::nullopt);
 void decode_dense_gemv(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
                        const at::Tensor& block_nnz, const c10::optional<at::Tensor>& gate_packed,
                        const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
-                       int64_t thr_heavy, int64_t cluster);
+                       int64_t thr_heavy, int64_t cluster, const c10::optional<at::Tensor>& gate_parts = c10::nullopt);
 void dense_block_gemm(const at::Tensor& a, const at::Tensor& b, const c10::optional<at::Tensor>& bias, at::Tensor& c,
                       const at::Tensor& block_nnz, const c10::optional<at::Tensor>& gate_packed,
                       const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
                       int64_t thr_heavy, int64_t ctas, int64_t cluster, int64_t tile_m, int64_t k_splits,
                       const c10::optional<at::Tensor>& split_arrivals);
 void rebuild_dense_gate(const at::Tensor& packed, const at::Tensor& counts, at::Tensor& dense,
-                        const at::Tensor& block_nnz, int64_t thr_full, int64_t thr_last, int64_t thr_heavy);
+                        const at::Tensor& block_nnz, int64_t thr_full, int64_t thr_last, int64_t thr_heavy,
+                        const c10::optional<at::Tensor>& gate_parts = c10::nullopt);
 // The whole MLP densely through PyTorch's GEMMs (cuBLAS), for calls too small for a TwELL path to pay
 // (twell_cublas_mlp.cu): (out, act), act the gate's pre-activation (gated) or relu(up) (non-gated).
 std::tuple<at::Tensor, at::Tensor> cublas_mlp(const at::Tensor& x, const at::Tensor& w_act,
@@ -174,6 +176,7 @@ struct MlpPlan {
   bool chunked = false;            // the chunked sparse kernel (given the sliced weights)
   bool programmatic = false;       // programmatic dependent launches (csrc/cluster_launch.cuh)
   bool dense_path_branch = false;  // decode_dense under CUDA graph capture: the dense path on a forked branch
+  bool gate_parts = false;         // decode: block counts as the decode gate's per-CTA pairs, no memset
   int64_t thr_full = 0;            // the dense-block test (csrc/dense_block_test.cuh)
   int64_t thr_last = 0;
   int64_t thr_heavy = 0;

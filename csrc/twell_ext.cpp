@@ -15,7 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("dense"), pybind11::arg("block_nnz"), pybind11::arg("w_up"), pybind11::arg("b_up"),
         pybind11::arg("w_down_t"), pybind11::arg("b_down"), pybind11::arg("out"), pybind11::arg("tile_n"),
         pybind11::arg("splits"), pybind11::arg("threads"), pybind11::arg("thr_full"),
-        pybind11::arg("thr_last"), pybind11::arg("thr_heavy"), pybind11::arg("cluster") = 1);
+        pybind11::arg("thr_last"), pybind11::arg("thr_heavy"), pybind11::arg("cluster") = 1,
+        pybind11::arg("gate_parts") = pybind11::none());
   m.def("chunked_sparse_mlp_out", &twell::chunked_sparse_mlp_out,
         "Decides each 128-row block's path and fills the sparse blocks' rows of out with at most 256 active units, "
         "the weights streamed through shared memory in slices; lists the heavier rows for heavy_rows_mlp_out (see "
@@ -45,13 +46,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_gate_twell", &twell::decode_gate_twell,
         "Gate GEMV relu(x W^T + b) of at most 64 rows in the TwELL layout (see csrc/twell_decode_gemv.cu)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("packed"),
-        pybind11::arg("counts"), pybind11::arg("dense"), pybind11::arg("block_nnz"), pybind11::arg("cluster") = 0);
+        pybind11::arg("counts"), pybind11::arg("dense"), pybind11::arg("block_nnz"), pybind11::arg("cluster") = 0,
+        pybind11::arg("gate_parts") = pybind11::none());
   m.def("decode_dense_gemv", &twell::decode_dense_gemv,
         "Dense-path GEMV of at most 64 rows, run only if their block is dense: c = a b^T + bias, or "
         "c = relu(gate) * (a b^T + bias) with the gate in the TwELL format (csrc/twell_decode_gemv.cu)",
         pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("bias"), pybind11::arg("c"), pybind11::arg("block_nnz"),
         pybind11::arg("gate_packed"), pybind11::arg("gate_counts"), pybind11::arg("thr_full"), pybind11::arg("thr_last"),
-        pybind11::arg("thr_heavy"), pybind11::arg("cluster") = 0);
+        pybind11::arg("thr_heavy"), pybind11::arg("cluster") = 0, pybind11::arg("gate_parts") = pybind11::none());
   m.def("dense_block_gemm", &twell::dense_block_gemm,
         "Dense-path GEMM over the rows of dense blocks: c = a b^T + bias, or c = relu(gate) * (a b^T + bias) "
         "with the gate in the TwELL format (csrc/twell_gemm.cu)",
@@ -62,7 +64,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rebuild_dense_gate", &twell::rebuild_dense_gate,
         "relu(gate) of the dense blocks' rows into dense, from the TwELL format (csrc/twell_gate_rebuild.cu)",
         pybind11::arg("packed"), pybind11::arg("counts"), pybind11::arg("dense"), pybind11::arg("block_nnz"),
-        pybind11::arg("thr_full"), pybind11::arg("thr_last"), pybind11::arg("thr_heavy"));
+        pybind11::arg("thr_full"), pybind11::arg("thr_last"), pybind11::arg("thr_heavy"),
+        pybind11::arg("gate_parts") = pybind11::none());
   m.def("cublas_mlp", &twell::cublas_mlp,
         "The MLP densely through PyTorch's GEMMs (cuBLAS) and one relu-times-up pass: (out, act), act the gate's "
         "pre-activation (gated) or relu(up) (non-gated) (csrc/twell_cublas_mlp.cu)",
@@ -93,7 +96,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("poison_word", &twell::MlpPlan::poison_word)
       .def_readwrite("poison_count", &twell::MlpPlan::poison_count)
       .def_readwrite("programmatic", &twell::MlpPlan::programmatic)
-      .def_readwrite("dense_path_branch", &twell::MlpPlan::dense_path_branch);
+      .def_readwrite("dense_path_branch", &twell::MlpPlan::dense_path_branch)
+      .def_readwrite("gate_parts", &twell::MlpPlan::gate_parts);
   m.def("mlp_forward", &twell::mlp_forward,
         "The whole CUDA path of one twell MLP call in one host call (csrc/twell_mlp_forward.cpp): "
         "(out, counts, block_nnz), or None when an operand lacks contiguous 16-byte aligned rows",

@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(kThreads) rebuild_dense_gate_kernel(const uint
                                                                       uint16_t* __restrict__ dense, DenseBlockTest test,
                                                                       int M, int F, int n_tiles, int cap) {
   const int blk = blockIdx.x, tile = blockIdx.y;
-  if (!test(blk)) return;
+  if (!test.cta_test(blk, false)) return;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int col0 = tile * kTileN + lane * 4;  // this lane's first column
   const bool vec = (F % 4) == 0 && col0 + 4 <= F;
@@ -55,7 +55,8 @@ __global__ void __launch_bounds__(kThreads) rebuild_dense_gate_kernel(const uint
 }  // namespace
 
 void rebuild_dense_gate(const at::Tensor& packed, const at::Tensor& counts, at::Tensor& dense,
-                        const at::Tensor& block_nnz, int64_t thr_full, int64_t thr_last, int64_t thr_heavy) {
+                        const at::Tensor& block_nnz, int64_t thr_full, int64_t thr_last, int64_t thr_heavy,
+                        const c10::optional<at::Tensor>& gate_parts) {
   TORCH_CHECK(packed.is_cuda() && packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kInt,
               "twell: packed must be a contiguous int32 CUDA [M, tiles, cap] tensor");
   const int64_t M = packed.size(0), n_tiles = packed.size(1);
@@ -65,7 +66,7 @@ void rebuild_dense_gate(const at::Tensor& packed, const at::Tensor& counts, at::
                   (dense.size(1) + kTileN - 1) / kTileN == n_tiles &&
                   (dense.scalar_type() == at::kBFloat16 || dense.scalar_type() == at::kHalf),
               "twell: dense must be a contiguous bfloat16/float16 [M, F] tensor with ceil(F / 128) tiles");
-  const DenseBlockTest test = dense_block_test(block_nnz, M, dense.device(), thr_full, thr_last, thr_heavy);
+  const DenseBlockTest test = dense_block_test(block_nnz, M, dense.device(), thr_full, thr_last, thr_heavy, gate_parts);
   TORCH_CHECK(packed.size(2) <= 32, "twell: the gate rebuild reads at most 32 slots per tile");
   TORCH_CHECK(M < (int64_t{1} << 31) && n_tiles <= 65535, "twell: sizes out of range");
   if (M == 0) return;

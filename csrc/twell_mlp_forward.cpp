@@ -88,7 +88,16 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   const int64_t down_arrivals = plan.decode_dense ? 0 : dense_path_counters(plan, M, D, F, plan.down_gemm_tile_m);
   const int64_t heavy_at = 2 * n_blocks + gate_arrivals + up_arrivals + down_arrivals;
   at::Tensor zeroed = at::empty({heavy_at + (plan.chunked ? 2 : 0)}, ints);
-  C10_CUDA_CHECK(cudaMemsetAsync(zeroed.data_ptr(), 0, zeroed.nbytes(), c10::cuda::getCurrentCUDAStream()));
+  // Decode calls whose kernels all read the decode gate's per-CTA pairs (dense_block_test.cuh) have
+  // nothing else to zero: no memset before the gate, and the sparse kernel writes the block totals.
+  const bool parts_only = plan.decode_gate && plan.decode_dense && plan.gate_parts && !plan.chunked &&
+                          zeroed.numel() == 2 * n_blocks;
+  c10::optional<at::Tensor> gate_parts;
+  if (parts_only) {
+    gate_parts = at::empty({2 * kGatePartsPerTile * n_tiles}, ints);
+  } else {
+    C10_CUDA_CHECK(cudaMemsetAsync(zeroed.data_ptr(), 0, zeroed.nbytes(), c10::cuda::getCurrentCUDAStream()));
+  }
   at::Tensor block_nnz = zeroed.narrow(0, 0, 2 * n_blocks);
   const int64_t up_at = 2 * n_blocks + gate_arrivals, down_at = up_at + up_arrivals;
   if (plan.poison) {
@@ -99,7 +108,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   }
 
   if (plan.decode_gate) {
-    decode_gate_twell(x, w_act, b_act, packed, counts, dense, block_nnz, plan.gemv_cluster);
+    decode_gate_twell(x, w_act, b_act, packed, counts, dense, block_nnz, plan.gemv_cluster, gate_parts);
   } else {
     gate_twell_gemm(x, w_act, b_act, packed, counts, dense, block_nnz, plan.ctas, plan.gate_gemm_cluster,
                     plan.gate_gemm_tile_m, plan.gemm_k_splits, counters_at(zeroed, 2 * n_blocks, gate_arrivals));
@@ -136,7 +145,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   } else {
     sparse_mlp_out(x_if_gated, packed, counts, dense, block_nnz, w_up, b_up, w_down_t, b_down, out, plan.tile_n,
                    plan.sparse_splits, plan.sparse_threads, plan.thr_full, plan.thr_last, plan.thr_heavy,
-                   plan.sparse_cluster);
+                   plan.sparse_cluster, gate_parts);
   }
 
   // Dense path for the blocks too dense to pay (its kernels skip the others): h = relu(gate) * up in
@@ -146,18 +155,18 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
       const ProgrammaticLaunchScope first(first_launch_programmatic);
       if (gated && plan.decode_dense) {
         decode_dense_gemv(x, *w_up, b_up, dense, path_nnz, packed, counts, thr_full, thr_last, thr_heavy,
-                          plan.gemv_cluster);
+                          plan.gemv_cluster, gate_parts);
       } else if (gated) {
         dense_block_gemm(x, *w_up, b_up, dense, path_nnz, packed, counts, thr_full, thr_last, thr_heavy, plan.ctas,
                          plan.gemm_cluster, plan.gemm_tile_m, plan.gemm_k_splits,
                          counters_at(zeroed, up_at, up_arrivals));
       } else {
-        rebuild_dense_gate(packed, counts, dense, path_nnz, thr_full, thr_last, thr_heavy);
+        rebuild_dense_gate(packed, counts, dense, path_nnz, thr_full, thr_last, thr_heavy, gate_parts);
       }
     }
     if (plan.decode_dense) {
       decode_dense_gemv(dense, w_down, b_down, out, path_nnz, c10::nullopt, c10::nullopt, thr_full, thr_last, thr_heavy,
-                        plan.gemv_cluster);
+                        plan.gemv_cluster, gate_parts);
     } else {
       dense_block_gemm(dense, w_down, b_down, out, path_nnz, c10::nullopt, c10::nullopt, thr_full, thr_last, thr_heavy,
                        plan.ctas, plan.gemm_cluster, plan.down_gemm_tile_m, plan.gemm_k_splits,

@@ -123,8 +123,9 @@ __global__ void __launch_bounds__(kThreads, (kSparseMinBlocks<kThreads, NV, kEnt
   const int64_t row = kEntrySplit ? blockIdx.x / cluster : blockIdx.x;  // one row per CTA (per cluster)
   const int rank = kEntrySplit ? static_cast<int>(ptx::cluster_ctarank()) : 0;
   // Rows of dense blocks belong to the dense path (the same test as its kernels). The CTAs of a
-  // cluster share the row, so they leave together.
-  if (dense_test(static_cast<int>(row / kDecisionRows))) return;
+  // cluster share the row, so they leave together. Where the test sums the decode gate's per-CTA
+  // pairs, the first CTA also stores the sums as the call's block totals.
+  if (dense_test.cta_test(static_cast<int>(row / kDecisionRows), blockIdx.x == 0 && blockIdx.y == 0)) return;
   constexpr int kWarps = kThreads / 32;
 
   extern __shared__ int smem[];
@@ -423,7 +424,7 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
                     const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up,
                     const at::Tensor& w_down_t, const c10::optional<at::Tensor>& b_down, at::Tensor& out,
                     int64_t tile_n, int64_t splits, int64_t threads, int64_t thr_full, int64_t thr_last,
-                    int64_t thr_heavy, int64_t cluster) {
+                    int64_t thr_heavy, int64_t cluster, const c10::optional<at::Tensor>& gate_parts) {
   const bool gated = w_up.has_value();
   TORCH_CHECK(cluster >= 1 && cluster <= kMaxEntryCluster, "twell: cluster must be in [1, 8]");
   TORCH_CHECK(threads == 128 || threads == 256, "twell: threads must be 128 or 256");
@@ -432,7 +433,11 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
               "twell: packed must be a contiguous int32 CUDA [M, tiles, cap] tensor");
   TORCH_CHECK(counts.scalar_type() == at::kInt && counts.is_contiguous() && counts.size(0) == packed.size(0) &&
               counts.size(1) == packed.size(1), "twell: counts must be int32 [M, tiles]");
-  const DenseBlockTest dense_test = dense_block_test(block_nnz, packed.size(0), packed.device(), thr_full, thr_last, thr_heavy);
+  // Given the decode gate's per-CTA pairs, the kernel sums them and writes block_nnz itself.
+  const DenseBlockTest dense_test = dense_block_test(block_nnz, packed.size(0), packed.device(), thr_full, thr_last,
+                                                     thr_heavy, gate_parts, /*store_totals=*/true);
+  TORCH_CHECK(!gate_parts.has_value() || gate_parts->numel() == 2 * kGatePartsPerTile * packed.size(1),
+              "twell: gate_parts must hold ", 2 * kGatePartsPerTile, " int32 per tile");
   TORCH_CHECK(w_down_t.is_contiguous() && dense.is_contiguous() && out.is_contiguous(), "twell: w_down_t, dense and out must be contiguous");
   TORCH_CHECK(dense.size(1) == w_down_t.size(0) && out.size(1) == w_down_t.size(1), "twell: dense/out/w_down_t shapes disagree");
   TORCH_CHECK(tile_n >= 1 && tile_n <= 256, "twell: tile_n must be in [1, 256]");

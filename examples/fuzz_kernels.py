@@ -167,6 +167,7 @@ def draw_case(seed: int, max_rows: int, device: str, focus: str = "all") -> Case
         ("gemm_k_splits", [0, 1, 2, 3, 5]),
         ("decode_gate_rows", [0, 16, 64]),
         ("decode_dense_gemv", [True, False]),
+        ("decode_gate_parts", [True, False]),
         ("decode_dense_branch", [True, False]),
         ("decode_gemv_cluster", [0, 1, 2, 4, 8, 16]),
         ("wgmma_kernels", [True, False]),

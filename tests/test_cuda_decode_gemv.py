@@ -126,3 +126,42 @@ def test_decode_dense_gemv_rejects_more_than_64_rows():
         _ext().decode_dense_gemv(a, b, None, c, block_nnz, None, None, *DENSE)
     with pytest.raises(RuntimeError, match="cluster must be 0"):
         _ext().decode_dense_gemv(a[:64], b, None, c[:64], block_nnz, None, None, *DENSE, 17)
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("m,k,f,nnz,skew", [
+    (1, 2048, 5632, 24.0, False),    # the 2B shape at one row: clusters of 8, half the slots absent ranks
+    (16, 2048, 5632, 600.0, False),  # almost every tile past capacity: the pairs' second counts
+    (64, 2048, 5632, 40.0, True),    # heavy rows and units
+    (7, 2048, 136, 20.0, False),     # two column tiles: clusters of 16 where the GPU schedules them
+])
+def test_gate_parts_sum_to_the_block_totals_and_steer_the_dense_path(m, k, f, nnz, skew):
+    """Given gate_parts the decode gate writes one (active units, tiles past capacity) pair per CTA
+    into slots that start as garbage, zeros for the ranks its clusters lack, and leaves block_nnz
+    alone: the same TwELL output, and pairs that sum to the totals the zeroed-counter form adds up.
+    The dense-path GEMV reads the same test from them."""
+    p = make_problem(m, k, f, 264, nnz_per_row=nnz, skew=skew)
+    packed, counts, dense, block_nnz = _decode_gate(p.x, p.gate_weight, p.gate_bias)
+    tiles = -(-f // TILE)
+    packed2, counts2 = torch.full_like(packed, -7), torch.full_like(counts, -7)
+    dense2 = torch.full_like(dense, float("nan"))
+    untouched = torch.full((2,), -7, dtype=torch.int32, device="cuda")
+    parts = torch.full((tiles * 16 * 2,), -7, dtype=torch.int32, device="cuda")
+    _ext().decode_gate_twell(p.x, p.gate_weight, p.gate_bias, packed2, counts2, dense2, untouched, 0, parts)
+    torch.cuda.synchronize()
+    assert torch.equal(counts2, counts)
+    assert torch.equal(twell_to_dense(packed2, counts2, dense2), twell_to_dense(packed, counts, dense))
+    pairs = parts.view(tiles, 16, 2)
+    assert (pairs >= 0).all(), "a slot was not written"
+    assert pairs.sum(dim=(0, 1)).tolist() == block_nnz.tolist()
+    assert untouched.tolist() == [-7, -7]
+
+    for thresholds, written in ((DENSE, True), (SPARSE, False)):
+        out = torch.full((m, 264), float("nan"), dtype=dense.dtype, device="cuda")
+        h = torch.randn(m, f, dtype=dense.dtype, device="cuda")
+        _ext().decode_dense_gemv(h, p.down_weight, None, out, untouched, None, None, *thresholds, 0, parts)
+        torch.cuda.synchronize()
+        if written:
+            _assert_within_ulps(out, _exact(h, p.down_weight, None), 1)
+        else:
+            assert out.isnan().all(), "a sparse block's dense path wrote"

@@ -181,6 +181,10 @@ class KernelConfig:
     of the graph forked after the gate and joined at the end of the call (csrc/twell_mlp_forward.cpp),
     so that in a sparse call, where they only read the block test and exit, they do so beside the
     sparse kernel rather than as two more dependent launches after it. Eager calls never fork."""
+    decode_gate_parts: bool = os.environ.get("TWELL_DECODE_GATE_PARTS", "1") != "0"
+    """Calls of at most 64 rows on the decode GEMVs pass the dense-block test's counts as one pair per
+    gate CTA, which the reading kernels sum (csrc/dense_block_test.cuh), instead of totals the gate adds
+    to zeroed memory: no memset before the gate."""
     decode_gemv_cluster: int = int(os.environ.get("TWELL_DECODE_GEMV_CLUSTER", "0"))
     """CTAs per cluster of the decode GEMVs, which split each column tile along K: 0 chooses (8, or 16
     where 8 would leave SMs idle and the GPU schedules 16); 1 to 16 forces a size (for measurements)."""
@@ -613,6 +617,7 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     cuda.chunked = chunked
     cuda.programmatic = config.programmatic_launch and cuda.decode_gate
     cuda.dense_path_branch = config.decode_dense_branch
+    cuda.gate_parts = config.decode_gate_parts
     cuda.thr_full, cuda.thr_last, cuda.thr_heavy = kernel_thresholds
     cuda.poison, cuda.poison_word, cuda.poison_count = config.poison_buffers, _POISON_WORD, _POISON_COUNT
     # A chunked call returns the chunked kernel's decision per block (1: dense) instead of block_nnz.
