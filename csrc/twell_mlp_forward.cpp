@@ -122,7 +122,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
   c10::optional<c10::cuda::CUDAStream> branch;
   if (plan.decode_dense && plan.dense_path_branch && capturing(stream)) {
+    // The pool hands its streams out in turn, and a capture itself runs on one of them: never the same.
     branch = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, x.device().index());
+    if (*branch == stream) branch = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, x.device().index());
     order_after(stream, *branch);
   }
   const c10::optional<at::Tensor> x_if_gated = gated ? c10::optional<at::Tensor>(x) : c10::nullopt;
