@@ -7,6 +7,7 @@ OUT=${OUT:-/tmp/twell_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 python3 -m pip install -q --no-deps --no-build-isolation --no-index . 2>&1 | grep -v WARNING | tail -3
+rm -rf /tmp/othersite  # pip --target leaves an existing install in place: a warm machine would keep the last variant
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/othersite ./ab_other 2>&1 | grep -v WARNING | tail -3
 REPO=$PWD; cd /tmp
 nvidia-smi --query-gpu=name --format=csv,noheader
