@@ -343,6 +343,23 @@ const T* ptr_or_null(const c10::optional<at::Tensor>& t) {
 }
 
 
+// The entry split's cluster size for M rows: the largest, from `requested` down to 2, whose M clusters
+// are all resident at once. The hardware places a cluster's CTAs within one GPC, so two 256-thread CTAs
+// per SM on 132 SMs may hold fewer clusters of 8 than 264 / 8 (a GPC whose slots are not a multiple of
+// 8 wastes the rest); the rows past what fits would then run as a second wave. A smaller
+// cluster gives each CTA more of its row's entries, which it takes in the same pass (up to 16 entries
+// for the up projection's 8 warps, 8 per batch of W_down^T loads), so it costs little. The occupancy
+// query is made once per device and shape (KernelLaunch::resident_clusters); where even clusters of 2
+// do not all fit, the requested size stays.
+template <typename Kernel>
+int resident_entry_cluster(Kernel kernel, int64_t rows, int threads, size_t smem, int requested) {
+  for (int cluster = requested; cluster >= 2; --cluster) {
+    const KernelLaunch probe(kernel, dim3(static_cast<unsigned>(rows * cluster)), threads, smem, cluster);
+    if (probe.resident_clusters() >= rows) return cluster;
+  }
+  return requested;
+}
+
 template <typename T, int VEC, int NV, bool GATED, int kThreads, bool kEntrySplit>
 void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& counts,
             const at::Tensor& dense, const DenseBlockTest& dense_test, const c10::optional<at::Tensor>& w_up,
@@ -359,6 +376,7 @@ void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& cou
   const size_t smem = sizeof(int) * (n_tiles + 1 + kThreads / 32 + kListCap) + sizeof(float) * kListCap +
                       (kEntrySplit ? sizeof(float) * D : 0);
   auto kernel = sparse_mlp_kernel<T, VEC, NV, GATED, kThreads, kEntrySplit>;
+  if constexpr (kEntrySplit) cluster = resident_entry_cluster(kernel, M, kThreads, smem, cluster);
   const dim3 grid = kEntrySplit ? dim3(static_cast<unsigned>(M * cluster))
                                 : dim3(static_cast<unsigned>(M), static_cast<unsigned>(splits));
   const KernelLaunch kernel_launch(kernel, grid, kThreads, smem, kEntrySplit ? cluster : 1);
