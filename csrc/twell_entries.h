@@ -18,6 +18,8 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
                     const c10::optional<at::Tensor>& b_down, at::Tensor& out, int64_t tile_n, int64_t splits,
                     int64_t threads, int64_t thr_full, int64_t thr_last, int64_t thr_heavy, int64_t cluster,
                     const c10::optional<at::Tensor>& gate_parts = c10::nullopt);
+// The cluster an entry-split launch of M rows takes on the current device (16-byte rows).
+int64_t sparse_entry_cluster(int64_t M, int64_t n_tiles, int64_t D, int64_t requested, bool gated, bool float16);
 
 // The chunked sparse kernel (csrc/twell_sparse_chunked.cu): weights streamed through shared memory in
 // slices of kChunkSliceColumns columns of every unit, [K / 8, F, 8] (W_up) and [D / 8, F, 8]

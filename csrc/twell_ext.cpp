@@ -17,6 +17,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("splits"), pybind11::arg("threads"), pybind11::arg("thr_full"),
         pybind11::arg("thr_last"), pybind11::arg("thr_heavy"), pybind11::arg("cluster") = 1,
         pybind11::arg("gate_parts") = pybind11::none());
+  m.def("sparse_entry_cluster", &twell::sparse_entry_cluster,
+        "The cluster size an entry-split launch of M rows takes on the current device (16-byte rows)",
+        pybind11::arg("M"), pybind11::arg("n_tiles"), pybind11::arg("D"), pybind11::arg("requested"),
+        pybind11::arg("gated"), pybind11::arg("float16"));
   m.def("chunked_sparse_mlp_out", &twell::chunked_sparse_mlp_out,
         "Decides each 128-row block's path and fills the sparse blocks' rows of out with at most 256 active units, "
         "the weights streamed through shared memory in slices; lists the heavier rows for heavy_rows_mlp_out (see "

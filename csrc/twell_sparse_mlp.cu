@@ -343,6 +343,12 @@ const T* ptr_or_null(const c10::optional<at::Tensor>& t) {
 }
 
 
+// Dynamic shared memory of a sparse CTA: tile offsets, warp totals, the entry list, and the entry
+// split's partial output row (partial_cols floats; 0 without it).
+size_t sparse_smem_bytes(int64_t n_tiles, int threads, int64_t partial_cols) {
+  return sizeof(int) * (n_tiles + 1 + threads / 32 + kListCap) + sizeof(float) * (kListCap + partial_cols);
+}
+
 // The entry split's cluster size for M rows: the largest, from `requested` down to 2, whose M clusters
 // are all resident at once. The hardware places a cluster's CTAs within one GPC, so two 256-thread CTAs
 // per SM on 132 SMs may hold fewer clusters of 8 than 264 / 8 (a GPC whose slots are not a multiple of
@@ -373,8 +379,7 @@ void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& cou
   const int cap = static_cast<int>(packed.size(2));
   int cols_per_split = (D + splits - 1) / splits;
   cols_per_split = (cols_per_split + VEC - 1) / VEC * VEC;
-  const size_t smem = sizeof(int) * (n_tiles + 1 + kThreads / 32 + kListCap) + sizeof(float) * kListCap +
-                      (kEntrySplit ? sizeof(float) * D : 0);
+  const size_t smem = sparse_smem_bytes(n_tiles, kThreads, kEntrySplit ? D : 0);
   auto kernel = sparse_mlp_kernel<T, VEC, NV, GATED, kThreads, kEntrySplit>;
   if constexpr (kEntrySplit) cluster = resident_entry_cluster(kernel, M, kThreads, smem, cluster);
   const dim3 grid = kEntrySplit ? dim3(static_cast<unsigned>(M * cluster))
@@ -489,6 +494,28 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
   }
 #undef TWELL_DTYPE
 #undef TWELL_THREADS
+}
+
+// The cluster size an entry-split launch of M rows takes on the current device (resident_entry_cluster),
+// for 16-byte rows: what the launch above would pick, for tests and probes.
+int64_t sparse_entry_cluster(int64_t M, int64_t n_tiles, int64_t D, int64_t requested, bool gated, bool float16) {
+  TORCH_CHECK(M >= 1 && M <= 0x7fffffff && n_tiles >= 1 && D >= 8 && D % 8 == 0 && D <= 4 * 256 * 8,
+              "twell: sparse_entry_cluster takes M >= 1, n_tiles >= 1 and D a multiple of 8 up to 8192");
+  TORCH_CHECK(requested >= 2 && requested <= kMaxEntryCluster, "twell: requested cluster must be in [2, 8]");
+  const int groups = static_cast<int>((D + 256 * 8 - 1) / (256 * 8));
+  const size_t smem = sparse_smem_bytes(n_tiles, 256, D);
+  const int want = static_cast<int>(requested);
+  const auto pick = [&](auto kernel) { return resident_entry_cluster(kernel, M, 256, smem, want); };
+#define TWELL_PICK(T, G)                                                                  \
+  return groups <= 1 ? pick(sparse_mlp_kernel<T, 8, 1, G, 256, true>)                      \
+         : groups <= 2 ? pick(sparse_mlp_kernel<T, 8, 2, G, 256, true>)                    \
+                       : pick(sparse_mlp_kernel<T, 8, 4, G, 256, true>);
+  if (float16) {
+    if (gated) { TWELL_PICK(__half, true) } else { TWELL_PICK(__half, false) }
+  } else {
+    if (gated) { TWELL_PICK(__nv_bfloat16, true) } else { TWELL_PICK(__nv_bfloat16, false) }
+  }
+#undef TWELL_PICK
 }
 
 }  // namespace twell

@@ -305,3 +305,27 @@ def test_one_call_path_matches_the_step_by_step_path_bitwise(gated, path, m, mon
         assert torch.equal(a, b), name
     assert torch.equal(op_out, one_call[0])
     assert not one_call[0].isnan().any()
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("float16", [False, True], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_entry_split_clusters_fit_in_one_wave(gated, float16):
+    # The entry split takes the largest cluster (the plan's, down to 2) whose M clusters are all resident
+    # at once (csrc/twell_sparse_mlp.cu, resident_entry_cluster): never more than the plan asks, and
+    # the plan's own wherever a call has few rows.
+    from twell_compile.kernels import build, twell_mlp
+
+    ext = build.cuda_extension()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    picked = {}
+    for m in (1, 8, 16, 24, 31, 32, 33, 48, 64, 100, 128):
+        requested = twell_mlp.sparse_launch(m, 2048, sms, True).cluster
+        if requested < 2:
+            continue
+        picked[m] = ext.sparse_entry_cluster(m, 44, 2048, requested, gated, float16)
+        assert 2 <= picked[m] <= requested, (m, requested, picked[m])
+    assert picked[1] == twell_mlp.sparse_launch(1, 2048, sms, True).cluster
+    with pytest.raises(RuntimeError, match="requested cluster"):
+        ext.sparse_entry_cluster(32, 44, 2048, 9, gated, float16)
+    print(f"clusters picked on {torch.cuda.get_device_name()}: {picked}")
