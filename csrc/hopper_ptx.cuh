@@ -130,6 +130,16 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// The last barrier of a kernel whose CTAs read each other's shared memory with loads (ld.shared::cluster),
+// so that none exits while a peer may still read it; every thread of every CTA of the cluster. A thread
+// has used the values of its remote loads before it gets here (its stores of their sums come first), so
+// its arrival orders nothing and needs no release: the release form compiles to a MEMBAR.ALL.GPU that makes
+// each thread wait for its global stores to complete before it arrives. Not for clusters whose CTAs
+// write to each other (TMA multicast, remote mbarrier arrivals): those need cluster_sync.
+__device__ __forceinline__ void cluster_sync_before_exit() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;" ::: "memory");
+}
+
 // Reads the float at the same shared-memory offset in CTA `cta` of the cluster (distributed shared memory).
 __device__ __forceinline__ float ld_shared_cluster_f32(const void* local, uint32_t cta) {
   float v;

@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_gemv_kernel(const DecodeGe
       }
     }
   }
-  ptx::cluster_sync();  // no CTA leaves while another may still read its partial
+  ptx::cluster_sync_before_exit();  // no CTA leaves while another may still read its partial
 }
 
 // The current device's SM count, asked of the runtime once per device rather than per launch.

@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, (kSparseMinBlocks<kThreads, NV, kEnt
         if (cta < cluster) sum += parts[cta];
       out[row * D + col] = Dtype16<T>::from_float(sum + (b_down != nullptr ? Dtype16<T>::to_float(b_down[col]) : 0.f));
     }
-    ptx::cluster_sync();  // no CTA leaves while another may still read its partial
+    ptx::cluster_sync_before_exit();  // no CTA leaves while another may still read its partial
   } else {
 #pragma unroll
     for (int j = 0; j < NV; ++j) {

@@ -5,8 +5,9 @@ step's loads with the previous step's MMAs, about 5 of a step's 24 loads in flig
 launch bound asked for 3 CTAs per SM (csrc/twell_decode_gemv.cu; with cold weights that made the 2B
 gate GEMV 1.0-1.2 us faster on an H200). This compiles the file for sm_90a, device code only, and counts
 the 16-byte global loads issued before the first MMA in the SASS of the gate kernels for 1-16 and 17-32
-rows. It needs nvcc and cuobjdump (Triton's wheel ships one) and skips without them; about a minute
-of compiling.
+rows, and that their last cluster barrier arrives with no memory barrier after the row stores
+(ptx::cluster_sync_before_exit). It needs nvcc and cuobjdump (Triton's wheel ships one) and skips
+without them; about a minute of compiling.
 """
 
 from __future__ import annotations
@@ -74,3 +75,9 @@ def test_decode_gate_gemv_issues_a_steps_loads_before_its_mmas(tmp_path):
         first_mma = next(i for i, line in enumerate(body) if "HMMA" in line)
         loads = sum("LDG.E.128" in line for line in body[:first_mma])
         assert loads >= 16, f"{variant}: only {loads} 16-byte loads before the first MMA: ptxas serialized them"
+        # The last cluster barrier only keeps shared memory alive for the peers' reads: its arrival is
+        # relaxed (ptx::cluster_sync_before_exit), with no MEMBAR between the row stores and the exit.
+        last_arrive = max(i for i, line in enumerate(body) if "UCGABAR_ARV" in line)
+        last_store = max(i for i, line in enumerate(body[:last_arrive]) if "STG" in line)
+        assert not any("MEMBAR" in line for line in body[last_store:last_arrive]), \
+            f"{variant}: a memory barrier before the last cluster arrival"
