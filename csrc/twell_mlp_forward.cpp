@@ -87,14 +87,19 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   const int64_t up_arrivals = plan.decode_dense || !gated ? 0 : dense_path_counters(plan, M, F, K, plan.gemm_tile_m);
   const int64_t down_arrivals = plan.decode_dense ? 0 : dense_path_counters(plan, M, D, F, plan.down_gemm_tile_m);
   const int64_t heavy_at = 2 * n_blocks + gate_arrivals + up_arrivals + down_arrivals;
-  at::Tensor zeroed = at::empty({heavy_at + (plan.chunked ? 2 : 0)}, ints);
+  const int64_t n_counters = heavy_at + (plan.chunked ? 2 : 0);
   // Decode calls whose kernels all read the decode gate's per-CTA pairs (dense_block_test.cuh) have
   // nothing else to zero: no memset before the gate, and the sparse kernel writes the block totals.
-  const bool parts_only = plan.decode_gate && plan.decode_dense && plan.gate_parts && !plan.chunked &&
-                          zeroed.numel() == 2 * n_blocks;
+  // (Such a call has no K-split or chunked counters: its only counters are the block totals.) The
+  // pairs take the same allocation, after the counters, which leaves them 8-byte aligned.
+  const bool parts_only = plan.decode_gate && plan.decode_dense && plan.gate_parts && !plan.chunked;
+  TORCH_INTERNAL_ASSERT(!parts_only || n_counters == 2 * n_blocks);
+  const int64_t n_parts = parts_only ? 2 * kGatePartsPerTile * n_tiles : 0;
+  const at::Tensor work = at::empty({n_counters + n_parts}, ints);
+  at::Tensor zeroed = work.narrow(0, 0, n_counters);
   c10::optional<at::Tensor> gate_parts;
   if (parts_only) {
-    gate_parts = at::empty({2 * kGatePartsPerTile * n_tiles}, ints);
+    gate_parts = work.narrow(0, n_counters, n_parts);
   } else {
     C10_CUDA_CHECK(cudaMemsetAsync(zeroed.data_ptr(), 0, zeroed.nbytes(), c10::cuda::getCurrentCUDAStream()));
   }
@@ -152,7 +157,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
 
   // Dense path for the blocks too dense to pay (its kernels skip the others): h = relu(gate) * up in
   // place in `dense` (non-gated: relu(up) expanded there), then out = h W_down^T.
-  const auto dense_path = [&](bool first_launch_programmatic) {
+  // The first launch on a branch follows an event, not a kernel: no programmatic edge to take there.
+  const bool first_launch_programmatic = plan.programmatic && !branch.has_value();
+  const auto dense_path = [&]() {
     {
       const ProgrammaticLaunchScope first(first_launch_programmatic);
       if (gated && plan.decode_dense) {
@@ -176,14 +183,13 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
     }
   };
   if (branch.has_value()) {
-    // The first launch on the branch follows an event, not a kernel: no programmatic edge to take.
     {
       const c10::cuda::CUDAStreamGuard on_branch(*branch);
-      dense_path(false);
+      dense_path();
     }
     order_after(*branch, stream);
   } else {
-    dense_path(plan.programmatic);
+    dense_path();
   }
   return std::make_tuple(out, counts, path_nnz);
 }
