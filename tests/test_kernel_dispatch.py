@@ -49,9 +49,16 @@ def test_block_dense_matches_the_device_test():
 
 def test_sparse_kernel_clusters_at_decode():
     sms = 132
-    assert ([twell_mlp._sparse_cluster(m, sms) for m in (1, 16, 33, 40, 64, 65, 128, 129, 4096)]
-            == [8, 8, 8, 6, 4, 4, 2, 1, 1])
+    # At most one CTA per SM in all (a CTA sharing its SM paces the launch), clusters of 2 at least.
+    assert ([twell_mlp._sparse_cluster(m, sms) for m in (1, 16, 17, 24, 32, 33, 40, 64, 65, 128, 129, 4096)]
+            == [8, 8, 7, 5, 4, 4, 3, 2, 2, 2, 1, 1])
     assert twell_mlp._sparse_threads(128) == 256 and twell_mlp._sparse_threads(129) == 128
+    # On any SM count, up to 128 rows: the largest cluster of 2 to 8 that gives no SM two CTAs (or 2).
+    for sms in (16, 78, 114, 132, 144):
+        for m in range(1, 129):
+            cluster = twell_mlp._sparse_cluster(m, sms)
+            assert 2 <= cluster <= 8 and (m * cluster <= sms or cluster == 2), (sms, m, cluster)
+            assert cluster == 8 or m * (cluster + 1) > sms, (sms, m, cluster)
 
 
 def test_sparse_kernel_column_splits():
@@ -69,7 +76,7 @@ def test_sparse_launch_takes_the_entry_split_only_where_it_fits():
     SparseLaunch, launch = twell_mlp.SparseLaunch, twell_mlp.sparse_launch
     # Decode-sized calls: clusters share each row's units, one CTA holding every output column.
     assert launch(1, 2048, 132, vec8=True) == SparseLaunch(threads=256, splits=1, cluster=8)
-    assert launch(64, 2048, 132, vec8=True) == SparseLaunch(threads=256, splits=1, cluster=4)
+    assert launch(64, 2048, 132, vec8=True) == SparseLaunch(threads=256, splits=1, cluster=2)
     assert launch(1, 8192, 132, vec8=True).entry_split  # 4 groups of 8 columns per thread
     # Too many columns for one CTA (8 per access, or 1 without 16-byte rows): column splits instead.
     assert launch(1, 8200, 132, vec8=True) == SparseLaunch(256, twell_mlp._column_splits(1, 8200, 132, True), 1)
