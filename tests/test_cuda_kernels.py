@@ -276,6 +276,25 @@ def test_triton_kernels_alone_stay_exact(gated, path, m):
 
 
 @requires_twell_kernels
+@pytest.mark.parametrize("cluster", range(2, 9))
+@pytest.mark.parametrize("m", [17, 32])
+@pytest.mark.parametrize("case", ["uniform", "one_full_row"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_entry_split_at_every_cluster_size(cluster, m, case, gated, monkeypatch):
+    # The decode rule (twell_mlp._sparse_cluster) picks 2 to 8 CTAs a row by the row count and the SM
+    # count, so each size must be exact on any row count it may meet, a fully active row included.
+    from twell_compile.kernels import twell_mlp
+
+    monkeypatch.setattr(twell_mlp, "_sparse_cluster", lambda rows, sms: cluster)
+    monkeypatch.setattr(twell_mlp, "_PLANS", {})
+    k, f, d = 2048, 5632, 2048
+    kwargs = dict(nnz_per_row=24.0) if case == "uniform" else dict(ADVERSARIAL[case])
+    problem = make_problem(m, k, f, d, gated=gated, bias=True, **kwargs)
+    assert twell_mlp.sparse_launch(m, d, torch.cuda.get_device_properties(0).multi_processor_count, True).cluster == cluster
+    _check(*_run(problem, gated, "sparse"), f"cluster={cluster} m={m} {case} gated={gated}")
+
+
+@requires_twell_kernels
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("path", ["auto", "dense"])
 @pytest.mark.parametrize("m", [1, 16, 100, 300, 4097])
