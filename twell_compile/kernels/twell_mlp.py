@@ -328,13 +328,13 @@ _DECODE_ROWS = 64
 # (but clusters of at least 2 up to 128 rows): a CTA that shares its SM with another takes about twice
 # as long, so a launch with some SMs doubled up is paced by those. H200, 38-layer 2B decode steps under
 # CUDA graphs, 24 nnz: batch 32, 3.229 ms with clusters of 4 against 3.353 with 7 (8 that fit as 7)
-# and 3.443 with 8; batch 24, 3.027 with 5 against 3.061 with 8. (33-512 rows go to cuBLAS by
-# default, so past 32 rows the rule applies only where config.cublas_rows is changed.) Earlier (H200 graph replays of the sparse kernel at 24 nnz): M = 1 and 16, 9.6-10.2 us
-# with 8 against 17-18 us with column splits; M = 64, 12.6 us with 4 against 18.4 with 8 (2, which
-# it takes now, not timed). Up to 128
-# rows: whole calls at M = 128 took 47.9 us with clusters of 2 against 60.7 with column splits (24 nnz;
-# 52.4 against 72.2 at 39), but at M = 256 column splits were as fast or faster (61.3 against 64.9 us
-# at 24 nnz), and from M = 512 on much faster (H100, examples/sweep_sparse_launch.py).
+# and 3.443 with 8; batch 24, 3.027 with 5 against 3.061 with 8. Calls of 33-512 rows go to cuBLAS by
+# default, so past 32 rows the rule applies only where config.cublas_rows is changed. Earlier (H200
+# graph replays of the sparse kernel at 24 nnz): M = 1 and 16, 9.6-10.2 us with 8 against 17-18 us
+# with column splits; M = 64, 12.6 us with 4 against 18.4 with 8 (2, which it takes now, not timed).
+# Up to 128 rows: whole calls at M = 128 took 47.9 us with clusters of 2 against 60.7 with column
+# splits (24 nnz; 52.4 against 72.2 at 39), but at M = 256 column splits were as fast or faster (61.3
+# against 64.9 us at 24 nnz), and from M = 512 on much faster (H100, examples/sweep_sparse_launch.py).
 # TWELL_SPARSE_CLUSTER_DECODE=1 switches the clusters off (column splits only), other values cap them;
 # TWELL_SPARSE_ENTRY_SPLIT_ROWS moves the limit.
 _SPARSE_CLUSTER_DECODE = int(os.environ.get("TWELL_SPARSE_CLUSTER_DECODE", "8"))
