@@ -85,22 +85,20 @@ inline void check_gate_parts(const at::Tensor& gate_parts, int64_t M, int64_t n_
 }
 
 // Checks block_nnz and the thresholds, and builds the test the kernels make. With gate_parts (decode
-// calls, see kGatePartsPerTile) the kernels sum those instead; block_nnz need not hold anything then,
-// and with store_totals one CTA of the reading kernel writes the sums there.
+// calls, see kGatePartsPerTile; gate_tiles the gate's column tiles) the kernels sum those instead;
+// block_nnz need not hold anything then, and with store_totals one CTA of the reading kernel writes the
+// sums there.
 inline DenseBlockTest dense_block_test(const at::Tensor& block_nnz, int64_t M, const c10::Device& device,
                                        int64_t thr_full, int64_t thr_last, int64_t thr_heavy,
                                        const c10::optional<at::Tensor>& gate_parts = c10::nullopt,
-                                       bool store_totals = false) {
+                                       int64_t gate_tiles = 0, bool store_totals = false) {
   check_block_nnz(block_nnz, M, device);
   TORCH_CHECK(thr_full >= 0 && thr_last >= 0 && thr_heavy >= 0 && thr_full <= INT32_MAX && thr_last <= INT32_MAX &&
                   thr_heavy <= INT32_MAX, "twell: bad thresholds");
   DenseBlockTest test{block_nnz.data_ptr<int>(), static_cast<int>(block_nnz.numel() / 2), static_cast<int>(thr_full),
                       static_cast<int>(thr_last), static_cast<int>(thr_heavy)};
   if (gate_parts.has_value()) {
-    TORCH_CHECK(M <= kDecisionRows && gate_parts->numel() % (2 * kGatePartsPerTile) == 0 &&
-                    gate_parts->is_contiguous() && gate_parts->scalar_type() == at::kInt &&
-                    gate_parts->device() == device,
-                "twell: gate_parts must be int32 [32 * tiles] on the operands' device, for at most 128 rows");
+    check_gate_parts(*gate_parts, M, gate_tiles, device);
     test.gate_parts = reinterpret_cast<const int2*>(gate_parts->data_ptr<int>());
     test.n_gate_parts = static_cast<int>(gate_parts->numel() / 2);
     test.totals_out = store_totals ? block_nnz.data_ptr<int>() : nullptr;

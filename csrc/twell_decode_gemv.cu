@@ -447,8 +447,11 @@ void decode_dense_gemv(const at::Tensor& a, const at::Tensor& b, const c10::opti
                        const c10::optional<at::Tensor>& gate_counts, int64_t thr_full, int64_t thr_last,
                        int64_t thr_heavy, int64_t cluster, const c10::optional<at::Tensor>& gate_parts) {
   DecodeGemvArgs args = check_operands(a, b, bias, c);
-  args.dense_test = dense_block_test(block_nnz, args.M, a.device(), thr_full, thr_last, thr_heavy, gate_parts);
   const bool gate_times_up = gate_packed.has_value();
+  // The hidden units (the gate's columns) are c's columns for the up GEMV and a's for the down GEMV.
+  const int64_t gate_tiles = gate_times_up ? args.n_tiles : (args.K + kTileN - 1) / kTileN;
+  args.dense_test =
+      dense_block_test(block_nnz, args.M, a.device(), thr_full, thr_last, thr_heavy, gate_parts, gate_tiles);
   TORCH_CHECK(gate_times_up == gate_counts.has_value(), "twell: gate_packed and gate_counts go together");
   if (gate_times_up) check_twell(*gate_packed, *gate_counts, args, a.device());
   if (args.M == 0 || args.N == 0) return;

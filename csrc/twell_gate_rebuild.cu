@@ -66,8 +66,8 @@ void rebuild_dense_gate(const at::Tensor& packed, const at::Tensor& counts, at::
                   (dense.size(1) + kTileN - 1) / kTileN == n_tiles &&
                   (dense.scalar_type() == at::kBFloat16 || dense.scalar_type() == at::kHalf),
               "twell: dense must be a contiguous bfloat16/float16 [M, F] tensor with ceil(F / 128) tiles");
-  if (gate_parts.has_value()) check_gate_parts(*gate_parts, M, n_tiles, dense.device());
-  const DenseBlockTest test = dense_block_test(block_nnz, M, dense.device(), thr_full, thr_last, thr_heavy, gate_parts);
+  const DenseBlockTest test =
+      dense_block_test(block_nnz, M, dense.device(), thr_full, thr_last, thr_heavy, gate_parts, n_tiles);
   TORCH_CHECK(packed.size(2) <= 32, "twell: the gate rebuild reads at most 32 slots per tile");
   TORCH_CHECK(M < (int64_t{1} << 31) && n_tiles <= 65535, "twell: sizes out of range");
   if (M == 0) return;

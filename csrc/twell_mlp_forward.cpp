@@ -4,7 +4,9 @@
 // mode, or torch.compile without CUDA graphs), where the host, not the GPU, sets the pace.
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -32,19 +34,12 @@ int64_t dense_path_counters(const MlpPlan& plan, int64_t M, int64_t N, int64_t K
   return split_counters(plan, M, N, K) + adaptive_split_room(M, N, K, plan.ctas, tile_m, plan.gemm_k_splits);
 }
 
-bool capturing(const c10::cuda::CUDAStream& stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &status));
-  return status == cudaStreamCaptureStatusActive;
-}
-
 // Work queued on `later` after this waits for the work queued on `earlier` so far: a fork or a join.
+// (The event may go once recorded: the wait already holds the order.)
 void order_after(const c10::cuda::CUDAStream& earlier, const c10::cuda::CUDAStream& later) {
-  cudaEvent_t event;
-  C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  C10_CUDA_CHECK(cudaEventRecord(event, earlier.stream()));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(later.stream(), event, 0));
-  C10_CUDA_CHECK(cudaEventDestroy(event));  // released once recorded; the wait already holds the order
+  at::cuda::CUDAEvent event;
+  event.record(earlier);
+  event.block(later);
 }
 
 c10::optional<at::Tensor> counters_at(const at::Tensor& zeroed, int64_t offset, int64_t count) {
@@ -126,7 +121,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   // the host more than that, and decode there is host-bound: eager calls never fork.
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
   c10::optional<c10::cuda::CUDAStream> branch;
-  if (plan.decode_dense && plan.dense_path_branch && capturing(stream)) {
+  if (plan.decode_dense && plan.dense_path_branch &&
+      c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::Active) {
     // The pool hands its streams out in turn, and a capture itself runs on one of them: never the same.
     branch = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, x.device().index());
     if (*branch == stream) branch = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, x.device().index());

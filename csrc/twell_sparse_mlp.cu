@@ -457,9 +457,8 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
   TORCH_CHECK(counts.scalar_type() == at::kInt && counts.is_contiguous() && counts.size(0) == packed.size(0) &&
               counts.size(1) == packed.size(1), "twell: counts must be int32 [M, tiles]");
   // Given the decode gate's per-CTA pairs, the kernel sums them and writes block_nnz itself.
-  if (gate_parts.has_value()) check_gate_parts(*gate_parts, packed.size(0), packed.size(1), packed.device());
   const DenseBlockTest dense_test = dense_block_test(block_nnz, packed.size(0), packed.device(), thr_full, thr_last,
-                                                     thr_heavy, gate_parts, /*store_totals=*/true);
+                                                     thr_heavy, gate_parts, packed.size(1), /*store_totals=*/true);
   TORCH_CHECK(w_down_t.is_contiguous() && dense.is_contiguous() && out.is_contiguous(), "twell: w_down_t, dense and out must be contiguous");
   TORCH_CHECK(dense.size(1) == w_down_t.size(0) && out.size(1) == w_down_t.size(1), "twell: dense/out/w_down_t shapes disagree");
   TORCH_CHECK(tile_n >= 1 && tile_n <= 256, "twell: tile_n must be in [1, 256]");
