@@ -130,6 +130,14 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// The two halves of a cluster barrier, apart, so that work goes on between them. The arrival orders
+// nothing before it (relaxed): it says only that this CTA has started, so that peers may write into its
+// shared memory once their wait returns.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+
 // The last barrier of a kernel whose CTAs read each other's shared memory with loads (ld.shared::cluster),
 // so that none exits while a peer may still read it; every thread of every CTA of the cluster. A thread
 // has used the values of its remote loads before it gets here (its stores of their sums come first), so
@@ -158,6 +166,15 @@ __device__ __forceinline__ float4 ld_shared_cluster_v4(const void* local, uint32
       "ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [remote];\n}"
       : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(smem_addr(local)), "r"(cta) : "memory");
   return v;
+}
+
+// Writes 2 floats at the same shared-memory offset in CTA `cta` of the cluster (distributed shared
+// memory). A posted store: the thread goes on at once, and a later release (cluster_sync) publishes it.
+__device__ __forceinline__ void st_shared_cluster_v2(const void* local, uint32_t cta, float2 v) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "st.shared::cluster.v2.f32 [remote], {%2, %3};\n}"
+      ::"r"(smem_addr(local)), "r"(cta), "f"(v.x), "f"(v.y) : "memory");
 }
 
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {

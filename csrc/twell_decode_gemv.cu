@@ -16,11 +16,23 @@
 //      mma.sync m16n8k16 and fp32 accumulators; a warp owns 32 of the tile's 128 columns, and every
 //      lane loads 16-byte runs of A and B (the MMA's k order is permuted alike for both operands, which
 //      leaves the dot products unchanged);
-//   2. it parks its fp32 partial tile in shared memory; after a cluster barrier, each warp of the
-//      cluster takes rows, adds the partials of every CTA over distributed shared memory in rank order
-//      (so the result is deterministic), adds the bias, rounds, and runs the epilogue on the row's
-//      tile (lane l owns its columns 4l .. 4l + 3).
-// A second cluster barrier keeps every CTA's shared memory alive until the others have read it.
+//   2. the tile's rows are dealt out to the cluster's warps; each warp adds its row's fp32 partials of
+//      every CTA in rank order (so the result is deterministic), adds the bias, rounds, and runs the
+//      epilogue on the row's tile (lane l owns its columns 4l .. 4l + 3). The partials travel over
+//      distributed shared memory one of two ways (kPushPartials):
+//      * push (1-16 rows): each CTA stores its partial of a row into the shared memory of the CTA that
+//        reduces it (posted stores), one cluster barrier waits for all of them, and the reduction reads
+//        its own shared memory. No CTA touches another's shared memory after that barrier, so none
+//        waits for the others at its exit.
+//      * pull (17-64 rows): each CTA parks its partial tile in its own shared memory, and after a
+//        cluster barrier the reducing warps load it from there; a second barrier keeps every CTA's
+//        shared memory alive until the others have read it.
+//      ptxas puts each remote load right before the adds that use it, so pulling takes a row's 8
+//      partials in 8 round trips one after another (five rewrites of the loads compiled alike); pushing
+//      takes one. Pushing issues twice as many remote accesses (8-byte stores: a lane holds column
+//      pairs) and pays for that as the rows grow. H200, 38-layer 2B decode step under CUDA graphs:
+//      pushing took batch 1 from 2.348 to 2.307 ms and batch 8 from 2.442 to 2.423, and batch 32 from
+//      3.234 to 3.257.
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -61,6 +73,7 @@ struct DecodeGemvArgs {
   int2* gate_parts;  // or, if not null, pack writes each CTA's pair there (dense_block_test.cuh)
   DenseBlockTest dense_test;  // dense-path epilogues: run only if block 0 is dense
   int M, N, K, n_tiles, cap, chunks_per_cta;
+  int rows_per_cta;  // rows a CTA reduces at most (reduced_rows): its shared memory holds each peer's partial of them
   bool c_vec4;       // c's rows hold 4-column runs at 8-byte alignment (N % 4 == 0, base 8-aligned)
 };
 
@@ -135,6 +148,25 @@ __device__ __forceinline__ void load_gate4(const DecodeGemvArgs& args, int64_t r
   }
 }
 
+// Step 2 deals the rows out a warp each, in turn over the cluster's CTAs: row r goes to warp r % kWarps of
+// CTA (r / kWarps) % cluster, as that CTA's reduced row (r / (kWarps * cluster)) * kWarps + r % kWarps.
+__host__ __device__ __forceinline__ int reduced_rows(int M, int cluster) {
+  const int warp_rounds = (M + kWarps - 1) / kWarps;
+  return (warp_rounds + cluster - 1) / cluster * kWarps;
+}
+
+// Step 2's way of moving the partials, by MMA row tiles (see the file comment).
+template <int kMTiles>
+constexpr bool kPushPartials = kMTiles == 1;
+
+// The dynamic shared memory of a launch: each CTA's partial of the rows this CTA reduces (push), or this
+// CTA's partial of every row (pull).
+template <int kMTiles>
+size_t partials_smem(int M, int cluster) {
+  const int rows = kPushPartials<kMTiles> ? cluster * reduced_rows(M, cluster) : kMTiles * 16;
+  return static_cast<size_t>(rows) * kPartialStride * sizeof(float);
+}
+
 // kMTiles 16-row MMA tiles cover the M rows. kUnroll K chunks are loaded before their MMAs run, so a
 // lane has kUnroll x 4 loads of B in flight. The launch bound's 3 CTAs per SM (at most 170 registers)
 // is what the 2B gate's 352 CTAs need for one wave on 132 SMs; it also makes ptxas issue a step's
@@ -148,7 +180,14 @@ __global__ void __launch_bounds__(kThreads, 3) decode_gemv_kernel(const DecodeGe
   if constexpr (kMode != Epilogue::kTwellPack) {
     if (!args.dense_test.cta_test(0, false)) return;
   }
-  extern __shared__ float partial[];  // [kMTiles * 16][kPartialStride]: this CTA's K range of the tile
+  constexpr bool kPush = kPushPartials<kMTiles>;
+  // Push: peers store into this CTA's shared memory in step 2, which they may do only once it has
+  // started. This arrival says so, and the wait for the others' comes after the mainloop, so nothing
+  // waits on it.
+  if constexpr (kPush) ptx::cluster_arrive_relaxed();
+  // Push: [cluster][rows_per_cta][kPartialStride], each CTA's (by rank) partial of the rows this CTA
+  // reduces. Pull: [kMTiles * 16][kPartialStride], this CTA's partial of every row.
+  extern __shared__ float partials[];
   const int rank = static_cast<int>(ptx::cluster_ctarank());
   const int tile = static_cast<int>(blockIdx.x) / cluster;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -202,16 +241,31 @@ __global__ void __launch_bounds__(kThreads, 3) decode_gemv_kernel(const DecodeGe
             ptx::mma_m16n8k16<Dtype16<T>::kBF16>(acc[mt][j], a, word(bv[u][j], 2 * s), word(bv[u][j], 2 * s + 1));
         }
   }
+  if constexpr (kPush) ptx::cluster_wait();  // every peer has started
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int h = 0; h < 2; ++h) {
+      const int row = mt * 16 + 8 * h + g;
+      const int col = warp * 32 + 2 * q;
+      if constexpr (kPush) {
+        if (row >= args.M) continue;
+        const int warp_round = row / kWarps;
+        const int owner = warp_round % cluster;
+        const int reduced = warp_round / cluster * kWarps + row % kWarps;
+        float* dst = &partials[(rank * args.rows_per_cta + reduced) * kPartialStride + col];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = mt * 16 + 8 * h + g, col = warp * 32 + 8 * j + 2 * q;
-        *reinterpret_cast<float2*>(&partial[row * kPartialStride + col]) = make_float2(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]);
+        for (int j = 0; j < 4; ++j)
+          ptx::st_shared_cluster_v2(dst + 8 * j, static_cast<uint32_t>(owner),
+                                    make_float2(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]));
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          *reinterpret_cast<float2*>(&partials[row * kPartialStride + col + 8 * j]) =
+              make_float2(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]);
       }
-  ptx::cluster_sync();  // every CTA's partial is written (release) and visible to the cluster (acquire)
+    }
+  ptx::cluster_sync();  // every partial is written (release) and visible to its reader (acquire)
 
   // 2. Rows, one warp each over the cluster: lane l owns the tile's columns 4l .. 4l + 3.
   __shared__ int cta_nnz, cta_overflowed;
@@ -221,23 +275,36 @@ __global__ void __launch_bounds__(kThreads, 3) decode_gemv_kernel(const DecodeGe
   }
   const int cols_left = args.N - tile * kTileN;
   int nnz = 0, overflowed = 0;  // pack: lane 0's running totals for this warp's rows
-  for (int row = rank * kWarps + warp; row < args.M; row += cluster * kWarps) {
+  int reduced = warp;
+  for (int row = rank * kWarps + warp; row < args.M; row += cluster * kWarps, reduced += kWarps) {
     float v[4] = {0.f, 0.f, 0.f, 0.f};
-    // All loads first, then the sum in rank order (the same on every run), in groups of 8 CTAs.
-    for (int cta0 = 0; cta0 < cluster; cta0 += kPortableClusterMax) {
-      float4 parts[kPortableClusterMax];
+    if constexpr (kPush) {
+      const float* part = &partials[reduced * kPartialStride + 4 * lane];
+#pragma unroll 4
+      for (int cta = 0; cta < cluster; ++cta) {  // rank order: the same sum on every run
+        const float4 p = *reinterpret_cast<const float4*>(part + cta * args.rows_per_cta * kPartialStride);
+        v[0] += p.x;
+        v[1] += p.y;
+        v[2] += p.z;
+        v[3] += p.w;
+      }
+    } else {
+      // All loads first, then the sum in rank order, in groups of 8 CTAs.
+      for (int cta0 = 0; cta0 < cluster; cta0 += kPortableClusterMax) {
+        float4 parts[kPortableClusterMax];
 #pragma unroll
-      for (int i = 0; i < kPortableClusterMax; ++i)
-        if (cta0 + i < cluster)
-          parts[i] = ptx::ld_shared_cluster_v4(&partial[row * kPartialStride + 4 * lane], static_cast<uint32_t>(cta0 + i));
+        for (int i = 0; i < kPortableClusterMax; ++i)
+          if (cta0 + i < cluster)
+            parts[i] = ptx::ld_shared_cluster_v4(&partials[row * kPartialStride + 4 * lane], static_cast<uint32_t>(cta0 + i));
 #pragma unroll
-      for (int i = 0; i < kPortableClusterMax; ++i)
-        if (cta0 + i < cluster) {
-          v[0] += parts[i].x;
-          v[1] += parts[i].y;
-          v[2] += parts[i].z;
-          v[3] += parts[i].w;
-        }
+        for (int i = 0; i < kPortableClusterMax; ++i)
+          if (cta0 + i < cluster) {
+            v[0] += parts[i].x;
+            v[1] += parts[i].y;
+            v[2] += parts[i].z;
+            v[3] += parts[i].w;
+          }
+      }
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -306,7 +373,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_gemv_kernel(const DecodeGe
       }
     }
   }
-  ptx::cluster_sync_before_exit();  // no CTA leaves while another may still read its partial
+  if constexpr (!kPush) ptx::cluster_sync_before_exit();  // no CTA leaves while another may still read its partial
 }
 
 // The current device's SM count, asked of the runtime once per device rather than per launch.
@@ -335,19 +402,20 @@ bool wants_wide_cluster(const DecodeGemvArgs& args, int n_chunks, int requested)
 template <typename T, Epilogue kMode, int kMTiles, int kUnroll>
 void launch(DecodeGemvArgs args, int n_chunks, int requested) {
   auto kernel = decode_gemv_kernel<T, kMode, kMTiles, kUnroll>;
-  const size_t smem = kMTiles * 16 * kPartialStride * sizeof(float);
+  const auto smem = [&](int cluster) { return partials_smem<kMTiles>(args.M, cluster); };
   const auto grid = [&](int cluster) { return dim3(static_cast<unsigned>(args.n_tiles * cluster)); };
   const auto run = [&](const KernelLaunch& kernel_launch, int cluster) {
     args.chunks_per_cta = (n_chunks + cluster - 1) / cluster;
+    args.rows_per_cta = reduced_rows(args.M, cluster);
     kernel_launch.run(kernel, args, cluster);
   };
   if (wants_wide_cluster(args, n_chunks, requested)) {
     const int wide = std::min(requested > 0 ? requested : kNonPortableClusterMax, n_chunks);
-    const KernelLaunch wide_launch(kernel, grid(wide), kThreads, smem, wide);
+    const KernelLaunch wide_launch(kernel, grid(wide), kThreads, smem(wide), wide);
     if (wide_launch.resident_clusters() > 0) return run(wide_launch, wide);
   }
   const int cluster = std::min({kPortableClusterMax, n_chunks, requested > 0 ? requested : kPortableClusterMax});
-  run(KernelLaunch(kernel, grid(cluster), kThreads, smem, cluster), cluster);
+  run(KernelLaunch(kernel, grid(cluster), kThreads, smem(cluster), cluster), cluster);
 }
 
 template <typename T, Epilogue kMode>

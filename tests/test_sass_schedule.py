@@ -5,8 +5,8 @@ step's loads with the previous step's MMAs, about 5 of a step's 24 loads in flig
 launch bound asked for 3 CTAs per SM (csrc/twell_decode_gemv.cu; with cold weights that made the 2B
 gate GEMV 1.0-1.2 us faster on an H200). This compiles the file for sm_90a, device code only, and counts
 the 16-byte global loads issued before the first MMA in the SASS of the gate kernels for 1-16 and 17-32
-rows, and that their last cluster barrier arrives with no memory barrier after the row stores
-(ptx::cluster_sync_before_exit). It needs nvcc and cuobjdump (Triton's wheel ships one) and skips
+rows, and how their CTAs exchange partials: pushed with no barrier at the exit (1-16 rows), or pulled
+with a relaxed last barrier (17-32). It needs nvcc and cuobjdump (Triton's wheel ships one) and skips
 without them; about a minute of compiling.
 """
 
@@ -75,9 +75,31 @@ def test_decode_gate_gemv_issues_a_steps_loads_before_its_mmas(tmp_path):
         first_mma = next(i for i, line in enumerate(body) if "HMMA" in line)
         loads = sum("LDG.E.128" in line for line in body[:first_mma])
         assert loads >= 16, f"{variant}: only {loads} 16-byte loads before the first MMA: ptxas serialized them"
-        # The last cluster barrier only keeps shared memory alive for the peers' reads: its arrival is
-        # relaxed (ptx::cluster_sync_before_exit), with no MEMBAR between the row stores and the exit.
-        last_arrive = max(i for i, line in enumerate(body) if "UCGABAR_ARV" in line)
-        last_store = max(i for i, line in enumerate(body[:last_arrive]) if "STG" in line)
-        assert not any("MEMBAR" in line for line in body[last_store:last_arrive]), \
-            f"{variant}: a memory barrier before the last cluster arrival"
+        if variant == "Li1ELi4E":
+            _assert_pushes_partials(variant, body)
+        else:
+            _assert_pulls_partials(variant, body)
+
+
+def _assert_pushes_partials(variant: str, body: list[str]) -> None:
+    # Up to 16 rows each CTA pushes its partials to the CTAs that reduce them (posted st.shared::cluster,
+    # ST.E.64) and reads nothing over distributed shared memory (LD.E): ptxas puts each remote load right
+    # before its adds, a round trip each. After the last cluster barrier the reduction reads its own
+    # shared memory (LDS.128), and no barrier waits at the exit.
+    assert not any(re.search(r"\bLD\.E", line) for line in body), f"{variant}: a remote load"
+    last_wait = max(i for i, line in enumerate(body) if "UCGABAR_WAIT" in line)
+    assert any("ST.E.64" in line for line in body[:last_wait]), f"{variant}: no pushes before the last barrier"
+    assert any("LDS.128" in line for line in body[last_wait:]), f"{variant}: no local reduction after it"
+    first_store = min(i for i, line in enumerate(body) if "STG" in line)
+    assert not any("UCGABAR" in line for line in body[first_store:]), f"{variant}: a cluster barrier after the row stores"
+
+
+def _assert_pulls_partials(variant: str, body: list[str]) -> None:
+    # Past 16 rows the reducing warps load the partials (LD.E.128), and the last cluster barrier only
+    # keeps shared memory alive for those loads: its arrival is relaxed (ptx::cluster_sync_before_exit),
+    # with no MEMBAR between the row stores and the exit.
+    assert any("LD.E.128" in line for line in body), f"{variant}: no remote loads of the partials"
+    last_arrive = max(i for i, line in enumerate(body) if "UCGABAR_ARV" in line)
+    last_store = max(i for i, line in enumerate(body[:last_arrive]) if "STG" in line)
+    assert not any("MEMBAR" in line for line in body[last_store:last_arrive]), \
+        f"{variant}: a memory barrier before the last cluster arrival"
