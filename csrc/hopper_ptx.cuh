@@ -177,6 +177,14 @@ __device__ __forceinline__ void st_shared_cluster_v2(const void* local, uint32_t
       ::"r"(smem_addr(local)), "r"(cta), "f"(v.x), "f"(v.y) : "memory");
 }
 
+// Writes 4 floats (16-byte aligned) likewise.
+__device__ __forceinline__ void st_shared_cluster_v4(const void* local, uint32_t cta, float4 v) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "st.shared::cluster.v4.f32 [remote], {%2, %3, %4, %5};\n}"
+      ::"r"(smem_addr(local)), "r"(cta), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+}
+
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(tensor_map) : "memory");
 }

@@ -29,10 +29,12 @@
 //        shared memory alive until the others have read it.
 //      ptxas puts each remote load right before the adds that use it, so pulling takes a row's 8
 //      partials in 8 round trips one after another (five rewrites of the loads compiled alike); pushing
-//      takes one. Pushing issues twice as many remote accesses (8-byte stores: a lane holds column
-//      pairs) and pays for that as the rows grow. H200, 38-layer 2B decode step under CUDA graphs,
-//      pushing at every row count against pulling, in one call: batch 1 2.307 against 2.348 ms, batch 8
-//      2.423 against 2.442, batch 32 3.257 against 3.234.
+//      takes one. A push is a 16-byte store (neighbouring lanes swap column pairs first), as many remote
+//      accesses as the pulls. Yet pushing lost at 32 rows with either store width. H200, 38-layer 2B
+//      decode step under CUDA graphs, pushing (8-byte stores) at every row count against pulling, in one
+//      call: batch 1 2.307 against 2.348 ms, batch 8 2.423 against 2.442, batch 32 3.257 against 3.234.
+//      The 16-byte stores ran the same as the 8-byte ones at batch 1 and 8 (2.316, 2.427 ms) and lost at
+//      32 rows too (3.246 against pulling's 3.224, in separate calls).
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -73,7 +75,6 @@ struct DecodeGemvArgs {
   int2* gate_parts;  // or, if not null, pack writes each CTA's pair there (dense_block_test.cuh)
   DenseBlockTest dense_test;  // dense-path epilogues: run only if block 0 is dense
   int M, N, K, n_tiles, cap, chunks_per_cta;
-  int rows_per_cta;  // rows a CTA reduces at most (reduced_rows): its shared memory holds each peer's partial of them
   bool c_vec4;       // c's rows hold 4-column runs at 8-byte alignment (N % 4 == 0, base 8-aligned)
 };
 
@@ -241,30 +242,47 @@ __global__ void __launch_bounds__(kThreads, 3) decode_gemv_kernel(const DecodeGe
             ptx::mma_m16n8k16<Dtype16<T>::kBF16>(acc[mt][j], a, word(bv[u][j], 2 * s), word(bv[u][j], 2 * s + 1));
         }
   }
-  if constexpr (kPush) ptx::cluster_wait();  // every peer has started
+  // Push: rows a CTA reduces at most; its shared memory holds each peer's partial of them.
+  const int rows_per_cta = kPush ? reduced_rows(args.M, cluster) : 0;
+  if constexpr (kPush) {
+    ptx::cluster_wait();  // every peer has started
+    // Lanes q and q ^ 1 hold rows g and g + 8 at columns 8j + 2q, 8j + 2q + 1 (the MMA's layout); one
+    // swap of a pair per n8 block gives the even lane 4 adjacent columns of row g and the odd lane the
+    // same columns of row g + 8, so each remote store carries 16 bytes (half as many stores as pairs).
+    const int h = q & 1;
+    const int col = warp * 32 + 4 * (q >> 1);
 #pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      float4 run[4];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < 4; ++j) {
+        const float give0 = h ? acc[mt][j][0] : acc[mt][j][2], give1 = h ? acc[mt][j][1] : acc[mt][j][3];
+        const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+        run[j] = h ? make_float4(got0, got1, acc[mt][j][2], acc[mt][j][3])
+                   : make_float4(acc[mt][j][0], acc[mt][j][1], got0, got1);
+      }
       const int row = mt * 16 + 8 * h + g;
-      const int col = warp * 32 + 2 * q;
-      if constexpr (kPush) {
-        if (row >= args.M) continue;
-        const int warp_round = row / kWarps;
-        const int owner = warp_round % cluster;
-        const int reduced = warp_round / cluster * kWarps + row % kWarps;
-        float* dst = &partials[(rank * args.rows_per_cta + reduced) * kPartialStride + col];
+      if (row >= args.M) continue;
+      const int warp_round = row / kWarps;
+      const int owner = warp_round % cluster;
+      const int reduced = warp_round / cluster * kWarps + row % kWarps;
+      float* dst = &partials[(rank * rows_per_cta + reduced) * kPartialStride + col];
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          ptx::st_shared_cluster_v2(dst + 8 * j, static_cast<uint32_t>(owner),
-                                    make_float2(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]));
-      } else {
+      for (int j = 0; j < 4; ++j) ptx::st_shared_cluster_v4(dst + 8 * j, static_cast<uint32_t>(owner), run[j]);
+    }
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = mt * 16 + 8 * h + g;
+        const int col = warp * 32 + 2 * q;
 #pragma unroll
         for (int j = 0; j < 4; ++j)
           *reinterpret_cast<float2*>(&partials[row * kPartialStride + col + 8 * j]) =
               make_float2(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]);
       }
-    }
+  }
   ptx::cluster_sync();  // every partial is written (release) and visible to its reader (acquire)
 
   // 2. Rows, one warp each over the cluster: lane l owns the tile's columns 4l .. 4l + 3.
@@ -282,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_gemv_kernel(const DecodeGe
       const float* part = &partials[reduced * kPartialStride + 4 * lane];
 #pragma unroll 4
       for (int cta = 0; cta < cluster; ++cta) {  // rank order: the same sum on every run
-        const float4 p = *reinterpret_cast<const float4*>(part + cta * args.rows_per_cta * kPartialStride);
+        const float4 p = *reinterpret_cast<const float4*>(part + cta * rows_per_cta * kPartialStride);
         v[0] += p.x;
         v[1] += p.y;
         v[2] += p.z;
@@ -406,7 +424,6 @@ void launch(DecodeGemvArgs args, int n_chunks, int requested) {
   const auto grid = [&](int cluster) { return dim3(static_cast<unsigned>(args.n_tiles * cluster)); };
   const auto run = [&](const KernelLaunch& kernel_launch, int cluster) {
     args.chunks_per_cta = (n_chunks + cluster - 1) / cluster;
-    args.rows_per_cta = reduced_rows(args.M, cluster);
     kernel_launch.run(kernel, args, cluster);
   };
   if (wants_wide_cluster(args, n_chunks, requested)) {

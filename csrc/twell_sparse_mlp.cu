@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "backup_tile.cuh"
 #include "cluster_launch.cuh"
@@ -393,6 +394,27 @@ void launch(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& cou
       K, D, F, n_tiles, cap, tile_n, kEntrySplit ? D : cols_per_split, dense_test, kEntrySplit ? cluster : 1);
 }
 
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls f(TypeTag<T>{}, std::bool_constant<gated>{}) for the call's 16-bit dtype and gating, so one
+// dispatch serves the launch and the cluster query alike.
+template <typename F>
+decltype(auto) with_dtype_and_gating(bool float16, bool gated, F&& f) {
+  if (float16) return gated ? f(TypeTag<__half>{}, std::true_type{}) : f(TypeTag<__half>{}, std::false_type{});
+  return gated ? f(TypeTag<__nv_bfloat16>{}, std::true_type{}) : f(TypeTag<__nv_bfloat16>{}, std::false_type{});
+}
+
+// Calls f(std::integral_constant<int, NV>{}) for the column groups a thread covers: 1, 2 or 4.
+template <typename F>
+decltype(auto) with_column_groups(int64_t groups, F&& f) {
+  if (groups <= 1) return f(std::integral_constant<int, 1>{});
+  if (groups <= 2) return f(std::integral_constant<int, 2>{});
+  return f(std::integral_constant<int, 4>{});
+}
+
 // Picks the vector width (16-byte accesses when every row is 16-byte aligned) and the number of
 // column groups per thread from the columns one CTA covers. cluster > 1 asks for the entry split, which
 // the caller (twell_mlp.py, which also sets the dense-path thresholds for it) chooses only where it
@@ -416,28 +438,25 @@ void dispatch_shape(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   const int64_t cols = entry_split ? D : (D + splits - 1) / splits;
   const int64_t groups = groups_for(cols);
   TORCH_CHECK(groups <= 4, "twell: internal error, too many output columns per CTA; raise splits");
-#define TWELL_LAUNCH(V, NVV)                                                                                        \
-  do {                                                                                                              \
-    if constexpr (kThreads == 256) {                                                                                \
-      if (entry_split) {                                                                                            \
-        launch<T, V, NVV, GATED, kThreads, true>(x, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, \
-                                                 out, tile_n, 1, cluster);                                           \
-        break;                                                                                                      \
-      }                                                                                                             \
-    }                                                                                                               \
-    launch<T, V, NVV, GATED, kThreads, false>(x, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down,   \
-                                              out, tile_n, splits, 1);                                               \
-  } while (0)
-  if (vec8) {
-    if (groups <= 1) TWELL_LAUNCH(8, 1);
-    else if (groups <= 2) TWELL_LAUNCH(8, 2);
-    else TWELL_LAUNCH(8, 4);
-  } else {
-    if (groups <= 1) TWELL_LAUNCH(1, 1);
-    else if (groups <= 2) TWELL_LAUNCH(1, 2);
-    else TWELL_LAUNCH(1, 4);
-  }
-#undef TWELL_LAUNCH
+  const auto launch_shape = [&](auto vec, auto groups_c) {
+    constexpr int V = decltype(vec)::value, NV = decltype(groups_c)::value;
+    if constexpr (kThreads == 256) {
+      if (entry_split) {
+        launch<T, V, NV, GATED, kThreads, true>(x, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down,
+                                               out, tile_n, 1, cluster);
+        return;
+      }
+    }
+    launch<T, V, NV, GATED, kThreads, false>(x, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, out,
+                                            tile_n, splits, 1);
+  };
+  with_column_groups(groups, [&](auto groups_c) {
+    if (vec8) {
+      launch_shape(std::integral_constant<int, 8>{}, groups_c);
+    } else {
+      launch_shape(std::integral_constant<int, 1>{}, groups_c);
+    }
+  });
 }
 
 }  // namespace
@@ -470,28 +489,20 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
   if (out.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
   const at::Tensor empty;
-#define TWELL_THREADS(T, G, XX, N)                                                                     \
-  if (threads == 128)                                                                                \
-    dispatch_shape<T, G, 128>(XX, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, out, \
-                              static_cast<int>(tile_n), static_cast<int>(splits), static_cast<int>(cluster)); \
-  else                                                                                               \
-    dispatch_shape<T, G, 256>(XX, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, out, \
-                              static_cast<int>(tile_n), static_cast<int>(splits), static_cast<int>(cluster));
-#define TWELL_DTYPE(T)                    \
-  if (gated) {                            \
-    TWELL_THREADS(T, true, *x, 0)         \
-  } else {                                \
-    TWELL_THREADS(T, false, empty, 0)     \
-  }
-  if (out.scalar_type() == at::kBFloat16) {
-    TWELL_DTYPE(__nv_bfloat16)
-  } else if (out.scalar_type() == at::kHalf) {
-    TWELL_DTYPE(__half)
-  } else {
-    TORCH_CHECK(false, "twell: the CUDA kernels take bfloat16 or float16, got ", out.scalar_type());
-  }
-#undef TWELL_DTYPE
-#undef TWELL_THREADS
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf,
+              "twell: the CUDA kernels take bfloat16 or float16, got ", out.scalar_type());
+  with_dtype_and_gating(out.scalar_type() == at::kHalf, gated, [&](auto dtype, auto gated_c) {
+    using T = typename decltype(dtype)::type;
+    constexpr bool G = decltype(gated_c)::value;
+    const at::Tensor& x_or_empty = G ? *x : empty;
+    if (threads == 128) {
+      dispatch_shape<T, G, 128>(x_or_empty, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, out,
+                                static_cast<int>(tile_n), static_cast<int>(splits), static_cast<int>(cluster));
+    } else {
+      dispatch_shape<T, G, 256>(x_or_empty, packed, counts, dense, dense_test, w_up, b_up, w_down_t, b_down, out,
+                                static_cast<int>(tile_n), static_cast<int>(splits), static_cast<int>(cluster));
+    }
+  });
 }
 
 // The cluster size an entry-split launch of M rows takes on the current device (resident_entry_cluster),
@@ -503,17 +514,13 @@ int64_t sparse_entry_cluster(int64_t M, int64_t n_tiles, int64_t D, int64_t requ
   const int groups = static_cast<int>((D + 256 * 8 - 1) / (256 * 8));
   const size_t smem = sparse_smem_bytes(n_tiles, 256, D);
   const int want = static_cast<int>(requested);
-  const auto pick = [&](auto kernel) { return resident_entry_cluster(kernel, M, 256, smem, want); };
-#define TWELL_PICK(T, G)                                                                  \
-  return groups <= 1 ? pick(sparse_mlp_kernel<T, 8, 1, G, 256, true>)                      \
-         : groups <= 2 ? pick(sparse_mlp_kernel<T, 8, 2, G, 256, true>)                    \
-                       : pick(sparse_mlp_kernel<T, 8, 4, G, 256, true>);
-  if (float16) {
-    if (gated) { TWELL_PICK(__half, true) } else { TWELL_PICK(__half, false) }
-  } else {
-    if (gated) { TWELL_PICK(__nv_bfloat16, true) } else { TWELL_PICK(__nv_bfloat16, false) }
-  }
-#undef TWELL_PICK
+  return with_dtype_and_gating(float16, gated, [&](auto dtype, auto gated_c) {
+    return with_column_groups(groups, [&](auto groups_c) {
+      using T = typename decltype(dtype)::type;
+      auto kernel = sparse_mlp_kernel<T, 8, decltype(groups_c)::value, decltype(gated_c)::value, 256, true>;
+      return resident_entry_cluster(kernel, M, 256, smem, want);
+    });
+  });
 }
 
 }  // namespace twell

@@ -21,6 +21,7 @@ CASES = [(7, (257, 1031, 131), True, float("inf")), (300, (264, 1000, 200), Fals
          (100, (2048, 5632, 2048), True, float("inf")),  # sparse clusters, wgmma gate
          (128, (264, 1000, 200), False, 0.01),  # likewise, non-gated, mixed paths
          (64, (2048, 5632, 2048), True, float("inf")),  # decode gate: 4 MMA row tiles
+         (16, (2048, 5632, 2048), True, float("inf")),  # decode gate: 1 row tile, partials pushed
          (40, (264, 1000, 200), True, 0.0),  # decode gate, then the dense path
          (1, (2048, 5632, 2048), False, float("inf")),  # decode, non-gated
          (64, (2048, 5632, 2048), True, 0.0),  # decode GEMVs of the dense path

@@ -82,13 +82,16 @@ def test_decode_gate_gemv_issues_a_steps_loads_before_its_mmas(tmp_path):
 
 
 def _assert_pushes_partials(variant: str, body: list[str]) -> None:
-    # Up to 16 rows each CTA pushes its partials to the CTAs that reduce them (posted st.shared::cluster,
-    # ST.E.64) and reads nothing over distributed shared memory (LD.E): ptxas puts each remote load right
-    # before its adds, a round trip each. After the last cluster barrier the reduction reads its own
-    # shared memory (LDS.128), and no barrier waits at the exit.
+    # Up to 16 rows each CTA pushes its partials to the CTAs that reduce them (posted st.shared::cluster
+    # of 16 bytes, ST.E.128: a lane swaps column pairs with its neighbour first, so no 8-byte pushes) and
+    # reads nothing over distributed shared memory (LD.E): ptxas puts each remote load right before its
+    # adds, a round trip each. After the last cluster barrier the reduction reads its own shared memory
+    # (LDS.128), and no barrier waits at the exit.
     assert not any(re.search(r"\bLD\.E", line) for line in body), f"{variant}: a remote load"
     last_wait = max(i for i, line in enumerate(body) if "UCGABAR_WAIT" in line)
-    assert any("ST.E.64" in line for line in body[:last_wait]), f"{variant}: no pushes before the last barrier"
+    pushes = sum("ST.E.128" in line for line in body[:last_wait])
+    assert pushes == 4, f"{variant}: {pushes} 16-byte pushes before the last barrier, want one per n8 block"
+    assert not any("ST.E.64" in line for line in body), f"{variant}: an 8-byte push"
     assert any("LDS.128" in line for line in body[last_wait:]), f"{variant}: no local reduction after it"
     first_store = min(i for i, line in enumerate(body) if "STG" in line)
     assert not any("UCGABAR" in line for line in body[first_store:]), f"{variant}: a cluster barrier after the row stores"
