@@ -67,16 +67,35 @@ class ModuleParameter:
         return self.qualified_name
 
 
-Operand = fx.Node | ModuleParameter
+@dataclasses.dataclass(frozen=True)
+class RowSlice:
+    """Rows ``start:stop`` (dim 0) of a weight or bias: one projection's share of a fused one
+    (``fused_projection.py``); rewriting turns it into an ``aten.slice`` of ``source``, a view."""
+
+    source: fx.Node | ModuleParameter
+    start: int
+    stop: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.source.name}[{self.start}:{self.stop}]"
+
+
+Operand = fx.Node | ModuleParameter | RowSlice
 
 
 def operand_shape(operand: Operand | None) -> tuple | None:
+    if isinstance(operand, RowSlice):
+        shape = operand_shape(operand.source)
+        return None if not shape else (operand.stop - operand.start, *shape[1:])
     if isinstance(operand, ModuleParameter):
         return tuple(operand.value.shape)
     return node_shape(operand)
 
 
 def operand_dtype(operand: Operand | None) -> torch.dtype | None:
+    if isinstance(operand, RowSlice):
+        return operand_dtype(operand.source)
     if isinstance(operand, ModuleParameter):
         return operand.value.dtype
     return node_dtype(operand)

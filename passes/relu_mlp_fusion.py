@@ -3,6 +3,9 @@
 * gated:     ``down(relu(gate(x)) * up(x))`` -> ``twell.gated_relu_mlp(x, Wg, Wu, Wd, bg, bu, bd)``
 * non-gated: ``down(relu(up(x)))``            -> ``twell.relu_mlp(x, Wu, Wd, bu, bd)``
 
+Gate and up may also be pieces of one fused projection, ``gate, up = gate_up(x).chunk(2, -1)``
+(``fused_projection.py``); the op then takes row slices of the fused weight, views of it.
+
 Blocks are found from their down projection backwards, in one walk over the graph; nothing is
 retraced. A block is rewritten only when the rewrite is provably equivalent: its intermediate values
 are read by nothing outside it, gate and up read the same input, the weight shapes agree, and no op
@@ -41,10 +44,12 @@ from .fx_utils import (
     stack_entry_path,
     target_name,
 )
+from .fused_projection import match_projection
 from .linear_match import (
     LinearMatch,
     ModuleParameter,
     Operand,
+    RowSlice,
     is_absorbed_by_user,
     match_linear,
     operand_name,
@@ -55,7 +60,9 @@ from .report import GATED, LEFT_ALONE, NON_GATED, REWRITTEN, CandidateBlock
 # Metadata describing *which call* a node was; wrong for the fused op, so not copied onto it.
 _CALL_SPECIFIC_META = ("source_fn_stack", "torch_fn", "original_aten")
 
-_SIGMOID_FUNCTIONS = frozenset({torch.sigmoid, torch.ops.aten.sigmoid.default})
+aten = torch.ops.aten
+
+_SIGMOID_FUNCTIONS = frozenset({torch.sigmoid, aten.sigmoid.default})
 _SIGMOID_METHODS = frozenset({"sigmoid"})
 
 _ROLE_GATE = "the gate projection output"
@@ -226,14 +233,20 @@ class ReluMlpFusionPass:
         """Replaces the block by one fused call; returns the new code for the report."""
         graph = gm.graph
         new_nodes: list[fx.Node] = []
+        attrs: dict[str, fx.Node] = {}  # one get_attr per parameter (a fused weight feeds two slices)
 
         def operand(value: Operand | None) -> fx.Node | None:
             if value is None:
                 return None
+            if isinstance(value, RowSlice):  # a fused projection's share: a view of its rows
+                sliced = graph.call_function(aten.slice.Tensor, (operand(value.source), 0, value.start, value.stop))
+                new_nodes.append(sliced)
+                return sliced
             if isinstance(value, ModuleParameter):
-                attr = graph.get_attr(value.qualified_name)
-                new_nodes.append(attr)
-                return attr
+                if value.qualified_name not in attrs:
+                    attrs[value.qualified_name] = graph.get_attr(value.qualified_name)
+                    new_nodes.append(attrs[value.qualified_name])
+                return attrs[value.qualified_name]
             # An earlier rewrite may have replaced the node this block reads (chained blocks).
             return replaced.get(value, value)
 
@@ -291,7 +304,7 @@ def _activation_over_linear(node: Any, gm: fx.GraphModule) -> _Activation | None
     if not isinstance(source, fx.Node):
         return None
     source, views = skip_identity_views(source)
-    linear = match_linear(source, gm)
+    linear = match_projection(source, gm)
     if linear is None:
         return None
     return _Activation(node, name, linear, views, parts)
@@ -325,7 +338,7 @@ def _product_parts(node: fx.Node, gm: fx.GraphModule) -> _ProductParts | None:
         if activation is None:
             continue
         up_node, up_views = skip_identity_views(up_side)
-        up = match_linear(up_node, gm)
+        up = match_projection(up_node, gm)
         if up is not None:
             return _ProductParts(activation, up, activation_views, up_views)
     return None
@@ -374,7 +387,7 @@ def _near_miss(down: LinearMatch, hidden: fx.Node, gm: fx.GraphModule) -> _NearM
     if name is not None:
         product = _skip_views(first_input(hidden))
         operands = _mul_operands(product) if product is not None else None
-        linears = [match_linear(_skip_views(o), gm) for o in operands or ()]
+        linears = [match_projection(_skip_views(o), gm) for o in operands or ()]
         if operands and all(linears):
             nodes.update((product, *(n for m in linears for n in m.nodes)))
             problem = f"{name} is applied to the product (down({name}(gate(x) * up(x)))), not to the gate"
@@ -386,7 +399,7 @@ def _near_miss(down: LinearMatch, hidden: fx.Node, gm: fx.GraphModule) -> _NearM
     if operands is not None:
         for wedged, other in (operands, operands[::-1]):
             activation = _activation_over_linear(_skip_views(first_input(wedged)), gm)
-            up = match_linear(_skip_views(other), gm) if activation is not None else None
+            up = match_projection(_skip_views(other), gm) if activation is not None else None
             if up is not None:
                 nodes.update((wedged, activation.node, *activation.linear.nodes, *up.nodes))
                 problem = f"{_op_name(wedged, gm)} sits between the {activation.name} and the product"

@@ -3,8 +3,8 @@ bfloat16 (``pytest -m cuda``): the TwELL kernels are what runs (not the referenc
 eager, and ``mode="reduce-overhead"`` (CUDA graphs) works without skipping graphs.
 
 Sizes are small but kernel-shaped (hidden 256, intermediate 1024, multiples of 8). Llama and OPT get
-paper-like sparsity from a negative gate (OPT: fc1) bias, so the sparse path runs; Qwen2 and Mistral
-have no MLP bias, so their ReLU is about half active and their blocks take the kernels' dense path.
+paper-like sparsity from a negative gate (OPT: fc1) bias, so the sparse path runs; Qwen2, Mistral and
+Phi-3 have no MLP bias, so their ReLU is about half active and their blocks take the kernels' dense path.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, OPTConfig, OPTForCausalLM
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import twell_compile
 from helpers import requires_twell_kernels
@@ -30,6 +30,14 @@ def _llama_like(config_cls, model_cls):
                                 max_position_embeddings=256, hidden_act="relu", mlp_bias=True))
 
 
+def _phi3():
+    # Gate and up as one fused projection (gate_up_proj, no bias): the op gets row slices of its weight.
+    return Phi3ForCausalLM(Phi3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                                      max_position_embeddings=256, hidden_act="relu", pad_token_id=0,
+                                      bos_token_id=1, eos_token_id=2))
+
+
 def _opt():
     return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, word_embed_proj_dim=HIDDEN,
                                     ffn_dim=INTERMEDIATE, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -41,6 +49,7 @@ BUILDERS = {
     "qwen2": lambda: _llama_like(Qwen2Config, Qwen2ForCausalLM),
     "mistral": lambda: _llama_like(MistralConfig, MistralForCausalLM),
     "opt": _opt,
+    "phi3": _phi3,
 }
 
 

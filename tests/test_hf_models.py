@@ -2,7 +2,7 @@
 parameter gradients as in eager; the same architectures with SiLU/GELU are left alone.
 
 The models are tiny and built from configs with random weights (nothing is downloaded). Each test
-triggers one Inductor compile (training tests: forward and backward), eight in all.
+triggers one Inductor compile (training tests: forward and backward), twelve in all.
 """
 
 from __future__ import annotations
@@ -12,12 +12,16 @@ import copy
 import pytest
 import torch
 from transformers import (
+    GlmConfig,
+    GlmForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -63,12 +67,18 @@ def _opt(act: str):
     return OPTForCausalLM(config)
 
 
+# Phi-3's and GLM's default special tokens lie past the tiny vocabulary.
+_SMALL_VOCAB_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
 # name -> (builder taking the activation, ReLU activation, non-ReLU activation, kind of MLP block)
 MODELS = {
     "llama": (lambda act: _llama_like(LlamaConfig, LlamaForCausalLM, act, mlp_bias=True), "relu", "silu", "gated"),
     "qwen2": (lambda act: _llama_like(Qwen2Config, Qwen2ForCausalLM, act), "relu", "silu", "gated"),
     "mistral": (lambda act: _llama_like(MistralConfig, MistralForCausalLM, act), "relu", "silu", "gated"),
     "opt": (_opt, "relu", "gelu", "non_gated"),
+    # gate and up as one fused projection, gate_up_proj(x).chunk(2, dim=-1) (passes/fused_projection.py)
+    "phi3": (lambda act: _llama_like(Phi3Config, Phi3ForCausalLM, act, **_SMALL_VOCAB_TOKENS), "relu", "silu", "gated"),
+    "glm": (lambda act: _llama_like(GlmConfig, GlmForCausalLM, act, **_SMALL_VOCAB_TOKENS), "relu", "silu", "gated"),
 }
 model_names = pytest.mark.parametrize("name", list(MODELS))
 

@@ -529,6 +529,148 @@ def test_llama_dynamo_graph_is_fast():
 
 
 # ---------------------------------------------------------------------------------------------------
+# Gate and up as pieces of one fused projection (Phi-3, GLM: gate_up_proj(x).chunk(2, dim=-1))
+# ---------------------------------------------------------------------------------------------------
+
+FUSED_SPLITS = {
+    "Tensor.chunk": lambda t: t.chunk(2, dim=-1),
+    "torch.chunk": lambda t: torch.chunk(t, 2, -1),
+    "Tensor.split": lambda t: t.split(F_, dim=-1),
+    "torch.split(sizes)": lambda t: torch.split(t, [F_, F_], -1),
+    "Tensor.split(dim=2)": lambda t: t.split(F_, 2),  # the last dim of a 3-D x, by its index
+}
+
+
+class FusedGateUpMLP(nn.Module):
+    """``gate, up = split(gate_up(x)); down(relu(gate) * up)``, gate the first piece or the second."""
+
+    def __init__(self, split="Tensor.chunk", gate_second=False, bias=True, out_features=2 * F_):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(D, out_features, bias=bias)
+        self.down_proj = nn.Linear(F_, D_OUT, bias=bias)
+        self.split = FUSED_SPLITS[split]
+        self.gate_second = gate_second
+
+    def forward(self, x):
+        first, second = self.split(self.gate_up_proj(x))
+        gate, up = (second, first) if self.gate_second else (first, second)
+        return self.down_proj(up * torch.relu(gate))
+
+
+def _fused_slices(call: fx.Node) -> list[tuple[int, int]]:
+    """The (start, stop) rows each of the call's gate and up operands (weight, then bias) slices."""
+    operands = [call.args[1], call.args[2], call.args[4], call.args[5]]
+    assert all(o.target is aten.slice.Tensor and o.args[1] == 0 for o in operands if o is not None)
+    return [tuple(o.args[2:]) for o in operands if o is not None]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("split", list(FUSED_SPLITS))
+@pytest.mark.parametrize("gate_second", [False, True], ids=["gate_first", "gate_second"])
+def test_fused_gate_up_every_dialect(mode, split, gate_second):
+    # (With symbolic_trace, dim 2 is known to be the last only with shapes propagated.)
+    gm, inputs = capture_with_shapes(mode, Wrapped(FusedGateUpMLP(split, gate_second)), x3d())
+    report = rewrite(gm, inputs, rewritten=1, left_alone=0)
+    assert report.candidates[0].kind == "gated" and report.candidates[0].module_path == "mlp"
+    (call,) = twell_calls(gm)
+    gate_rows, up_rows = ((F_, 2 * F_), (0, F_)) if gate_second else ((0, F_), (F_, 2 * F_))
+    assert _fused_slices(call) == [gate_rows, up_rows, gate_rows, up_rows]
+    # The fused projection, its split and its pieces are gone: one call reads slices of the weight.
+    assert not [n for n in gm.graph.nodes if "chunk" in str(n.target) or "split" in str(n.target)], gm.code
+
+
+def test_fused_gate_up_without_bias_and_make_fx():
+    def block(x, w_gate_up, w_down):
+        gate, up = aten.split.Tensor(aten.linear.default(x, w_gate_up), F_, -1)
+        return aten.linear.default(aten.mul.Tensor(aten.relu.default(gate), up), w_down)
+
+    args = (x3d(), torch.randn(2 * F_, D), torch.randn(D_OUT, F_))
+    gm = make_fx(block)(*args)
+    rewrite(gm, args, rewritten=1, left_alone=0)
+    (call,) = twell_calls(gm)
+    assert _fused_slices(call) == [(0, F_), (F_, 2 * F_)] and call.args[4] is None and call.args[5] is None
+
+
+def test_fused_piece_as_non_gated_up():
+    def block(m, x):
+        return m.down_proj(torch.relu(m.gate_up_proj(x).chunk(2, dim=-1)[1]))
+
+    model = Custom(block)
+    model.gate_up_proj = nn.Linear(D, 2 * F_)
+    gm, inputs = capture("dynamo", model, x3d())
+    rewrite(gm, inputs, rewritten=1, left_alone=0)
+    (call,) = twell_calls(gm)
+    assert call.target is torch.ops.twell.relu_mlp.default
+    assert (call.args[1].args[2:], call.args[3].args[2:]) == ((F_, 2 * F_), (F_, 2 * F_))
+
+
+def test_fused_projection_passes_views_of_the_weight():
+    # The op gets views of the fused weight (row slices of a contiguous weight are contiguous): no copy.
+    model = FusedGateUpMLP()
+    gm, inputs = capture("dynamo", model, x3d())
+    run_passes(gm)
+    seen = {}
+
+    def spy(x, gate_weight, up_weight, *rest):
+        seen["gate"], seen["up"] = gate_weight, up_weight
+        return torch.ops.twell.gated_relu_mlp.default(x, gate_weight, up_weight, *rest)
+
+    (call,) = twell_calls(gm)
+    call.target = spy
+    gm.recompile()
+    gm(*inputs)
+    weight = model.gate_up_proj.weight
+    assert seen["gate"].is_contiguous() and seen["up"].is_contiguous()
+    assert seen["gate"].data_ptr() == weight.data_ptr()
+    assert seen["up"].data_ptr() == weight.data_ptr() + F_ * D * weight.element_size()
+
+
+def _other_piece_used(m, x):
+    gate, up = m.gate_up_proj(x).chunk(2, dim=-1)
+    return m.down_proj(torch.relu(gate) * up) + up.sum()
+
+
+def _third_piece_used(m, x):
+    gate, up, extra = m.gate_up_proj(x).split(F_, dim=-1)
+    return m.down_proj(torch.relu(gate) * up) + extra.sum()
+
+
+def _split_along_tokens(m, x):
+    # Halves of the tokens, not of the features (the down projection takes all 2F): no fused projection.
+    gate, up = m.gate_up_proj(x).chunk(2, dim=0)
+    return m.down_proj(torch.relu(gate) * up)
+
+
+@pytest.mark.parametrize("mode", ["symbolic", "dynamo"])
+@pytest.mark.parametrize("case, out_features, reason", [
+    (_other_piece_used, 2 * F_, ("the up projection output", "has another user: sum")),
+    (_third_piece_used, 3 * F_, ("(split) has another user",)),
+    (_split_along_tokens, 2 * F_, None),
+], ids=["other_piece_used", "third_piece_used", "split_along_tokens"])
+def test_fused_projection_left_alone(mode, case, out_features, reason):
+    model = Custom(case)
+    model.gate_up_proj = nn.Linear(D, out_features)
+    if case is _split_along_tokens:
+        model.down_proj = nn.Linear(out_features, D_OUT)
+    gm, inputs = capture(mode, model, torch.randn(4, 3, D))
+    report = rewrite(gm, inputs, rewritten=0)
+    if reason is None:
+        assert report.left_alone_count == 0, str(report)
+    else:
+        assert_left_alone(report, *reason, kind="gated")
+
+
+def test_uneven_chunk_reported():
+    # 2F + 2 features chunk into F + 1 and F + 1 here, then the down projection takes F + 1 features:
+    # fine. With 2F + 1 the pieces are F + 1 and F, whose product would broadcast or fail.
+    gm, inputs = capture("symbolic", FusedGateUpMLP(out_features=2 * F_ + 1), x3d())
+    with pytest.raises(RuntimeError):
+        gm(*inputs)
+    report = run_passes(gm)
+    assert_left_alone(report, f"gate weight [{F_ + 1}, {D}] and up weight [{F_}, {D}] differ")
+
+
+# ---------------------------------------------------------------------------------------------------
 # Near-misses that must be left alone, with a reason
 # ---------------------------------------------------------------------------------------------------
 
@@ -789,6 +931,30 @@ mlp [non_gated] REWRITTEN: down(relu(up(x))) with x = x (nn.Linear)
     mlp_up_proj_weight = self.mlp.up_proj.weight
     mlp_down_proj_weight = self.mlp.down_proj.weight
     relu_mlp = torch.ops.twell.relu_mlp.default(x, mlp_up_proj_weight, mlp_down_proj_weight, None, None)""")
+
+    def test_fused_gate_up_printout(self):
+        gm, inputs = capture("symbolic", Wrapped(FusedGateUpMLP(gate_second=True)), x3d())
+        report = rewrite(gm, inputs, rewritten=1)
+        self.assertExpectedInline(str(report.candidates[0]), """\
+mlp [gated] REWRITTEN: down(relu(gate(x)) * up(x)) with x = x (nn.Linear, nn.Linear, chunk piece)
+  before:
+    mlp_gate_up_proj = self.mlp.gate_up_proj(x)
+    chunk = mlp_gate_up_proj.chunk(2, dim=-1)
+    getitem = operator.getitem(chunk, 0)
+    getitem_1 = operator.getitem(chunk, 1)
+    relu = torch.relu(getitem_1)
+    mul = operator.mul(getitem, relu)
+    mlp_down_proj = self.mlp.down_proj(mul)
+  after:
+    mlp_gate_up_proj_weight = self.mlp.gate_up_proj.weight
+    slice_tensor = torch.ops.aten.slice.Tensor(mlp_gate_up_proj_weight, 0, 16, 32)
+    slice_tensor_1 = torch.ops.aten.slice.Tensor(mlp_gate_up_proj_weight, 0, 0, 16)
+    mlp_down_proj_weight = self.mlp.down_proj.weight
+    mlp_gate_up_proj_bias = self.mlp.gate_up_proj.bias
+    slice_tensor_2 = torch.ops.aten.slice.Tensor(mlp_gate_up_proj_bias, 0, 16, 32)
+    slice_tensor_3 = torch.ops.aten.slice.Tensor(mlp_gate_up_proj_bias, 0, 0, 16)
+    mlp_down_proj_bias = self.mlp.down_proj.bias
+    gated_relu_mlp = torch.ops.twell.gated_relu_mlp.default(x, slice_tensor, slice_tensor_1, mlp_down_proj_weight, slice_tensor_2, slice_tensor_3, mlp_down_proj_bias)""")
 
     def test_near_miss_printout(self):
         gm, inputs = capture("export_decomposed", Wrapped(Custom(_relu_after_mul)), torch.randn(4, D))

@@ -1,0 +1,106 @@
+"""Pieces of a fused projection: ``gate, up = linear(x, W_gate_up).chunk(2, dim=-1)`` (Phi-3, GLM).
+
+A piece of a linear's output, split along its last dim, is itself a linear of the same input: rows
+``start:stop`` of the weight and of the bias. ``match_projection`` returns such a piece as a
+``LinearMatch`` whose weight and bias are ``RowSlice``s, so the MLP pass checks and rewrites it like
+any other projection; the rewrite hands the op row slices of the fused weight, which are views (rows
+of a contiguous weight are contiguous), so nothing is copied.
+
+Spellings: ``t.chunk(n, dim)``, ``torch.chunk``, ``aten.chunk``; ``t.split(size or sizes, dim)``,
+``torch.split``, ``aten.split.Tensor``, ``aten.split_with_sizes``; each piece taken by ``getitem``.
+The split must be along the last dim and its sizes known; anything else is no match.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+
+import torch
+from torch import fx
+
+from .fx_utils import is_call, node_shape
+from .linear_match import LinearMatch, RowSlice, match_linear
+
+aten = torch.ops.aten
+
+_CHUNK_FUNCTIONS = frozenset({torch.chunk, aten.chunk.default})
+_CHUNK_METHODS = frozenset({"chunk"})
+_SPLIT_FUNCTIONS = frozenset({torch.split, torch.functional.split, aten.split.Tensor, aten.split_with_sizes.default})
+_SPLIT_METHODS = frozenset({"split", "split_with_sizes"})
+# Argument names of the spec and the dim, across the spellings (torch.split, Tensor.split, aten).
+_SPEC_NAMES = ("chunks", "split_size_or_sections", "split_size", "split_sizes")
+
+
+def match_projection(node: object, gm: fx.GraphModule | None) -> LinearMatch | None:
+    """The linear computation ending at ``node``, whole or a piece of a fused one's output."""
+    return match_linear(node, gm) or match_linear_piece(node, gm)
+
+
+def match_linear_piece(node: object, gm: fx.GraphModule | None) -> LinearMatch | None:
+    """``node`` = ``split(linear(x, W, b), ..., dim=-1)[i]``, as ``linear(x, W[rows], b[rows])``."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return None
+    if len(node.args) != 2 or node.kwargs or type(node.args[1]) is not int:
+        return None
+    split, index = node.args
+    spec = _split_spec(split)
+    if spec is None:
+        return None
+    source, kind, sizes, dim = spec
+    linear = match_linear(source, gm)
+    total = linear.out_features if linear is not None else None
+    if type(total) is not int or not _is_last_dim(dim, source):
+        return None
+    pieces = _pieces(kind, sizes, total)
+    if pieces is None or not -len(pieces) <= index < len(pieces):
+        return None
+    start, stop = pieces[index]
+    weight = RowSlice(linear.weight, start, stop)
+    bias = RowSlice(linear.bias, start, stop) if linear.bias is not None else None
+    return LinearMatch(node, linear.input, weight, bias, f"{linear.spelling}, {kind} piece",
+                       (node, split, *linear.value_nodes), linear.input_nodes, linear.weight_nodes)
+
+
+def _split_spec(node: object) -> tuple[fx.Node, str, object, object] | None:
+    """``(tensor, "chunk" or "split", chunks or sizes, dim)`` of a chunk or split call."""
+    if is_call(node, _CHUNK_FUNCTIONS, _CHUNK_METHODS):
+        kind = "chunk"
+    elif is_call(node, _SPLIT_FUNCTIONS, _SPLIT_METHODS):
+        kind = "split"
+    else:
+        return None
+    args, kwargs = node.args, node.kwargs
+    if not args or set(kwargs) - {*_SPEC_NAMES, "dim"}:
+        return None
+    tensor = args[0]
+    spec = args[1] if len(args) > 1 else next((kwargs[k] for k in _SPEC_NAMES if k in kwargs), None)
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)  # every spelling splits dim 0 by default
+    if not isinstance(tensor, fx.Node) or spec is None or len(args) > 3:
+        return None
+    return tensor, kind, spec, dim
+
+
+def _is_last_dim(dim: object, tensor: fx.Node) -> bool:
+    if type(dim) is not int:
+        return False
+    if dim == -1:
+        return True
+    shape = node_shape(tensor)
+    return shape is not None and dim == len(shape) - 1
+
+
+def _pieces(kind: str, spec: object, total: int) -> list[tuple[int, int]] | None:
+    """Each piece's ``(start, stop)`` along the split dim, as torch computes them; None if unknown or
+    a piece would be empty."""
+    if type(spec) is int:
+        if spec < 1 or total < 1:
+            return None
+        size = -(-total // spec) if kind == "chunk" else spec  # chunk: pieces of ceil(total / chunks)
+        return [(start, min(start + size, total)) for start in range(0, total, size)]
+    if kind == "split" and isinstance(spec, (list, tuple)) and all(type(s) is int and s > 0 for s in spec):
+        if sum(spec) != total:
+            return None
+        bounds = [0, *itertools.accumulate(spec)]
+        return list(zip(bounds[:-1], bounds[1:]))
+    return None
