@@ -58,8 +58,10 @@ def match_linear_piece(node: object, gm: fx.GraphModule | None) -> LinearMatch |
     start, stop = pieces[index]
     weight = RowSlice(linear.weight, start, stop)
     bias = RowSlice(linear.bias, start, stop) if linear.bias is not None else None
-    return LinearMatch(node, linear.input, weight, bias, f"{linear.spelling}, {kind} piece",
-                       (node, split, *linear.value_nodes), linear.input_nodes, linear.weight_nodes)
+    # Pieces nothing reads (symbolic_trace keeps ``_`` of ``gate, _ = t.chunk(2, -1)``) go with the block.
+    unread = tuple(p for p in split.users if p is not node and not p.users)
+    return LinearMatch(node, linear.input, weight, bias, f"{kind} piece of {linear.spelling}",
+                       (node, split, *unread, *linear.value_nodes), linear.input_nodes, linear.weight_nodes)
 
 
 def _split_spec(node: object) -> tuple[fx.Node, str, object, object] | None:

@@ -591,17 +591,20 @@ def test_fused_gate_up_without_bias_and_make_fx():
     assert _fused_slices(call) == [(0, F_), (F_, 2 * F_)] and call.args[4] is None and call.args[5] is None
 
 
-def test_fused_piece_as_non_gated_up():
+@pytest.mark.parametrize("mode", ["symbolic", "dynamo"])
+def test_fused_piece_as_non_gated_up(mode):
     def block(m, x):
-        return m.down_proj(torch.relu(m.gate_up_proj(x).chunk(2, dim=-1)[1]))
+        _, up = m.gate_up_proj(x).chunk(2, dim=-1)  # symbolic_trace keeps the unread piece's getitem
+        return m.down_proj(torch.relu(up))
 
     model = Custom(block)
     model.gate_up_proj = nn.Linear(D, 2 * F_)
-    gm, inputs = capture("dynamo", model, x3d())
+    gm, inputs = capture(mode, model, x3d())
     rewrite(gm, inputs, rewritten=1, left_alone=0)
     (call,) = twell_calls(gm)
     assert call.target is torch.ops.twell.relu_mlp.default
     assert (call.args[1].args[2:], call.args[3].args[2:]) == ((F_, 2 * F_), (F_, 2 * F_))
+    assert not [n for n in gm.graph.nodes if n.target is operator.getitem], gm.code
 
 
 def test_fused_projection_passes_views_of_the_weight():
@@ -936,7 +939,7 @@ mlp [non_gated] REWRITTEN: down(relu(up(x))) with x = x (nn.Linear)
         gm, inputs = capture("symbolic", Wrapped(FusedGateUpMLP(gate_second=True)), x3d())
         report = rewrite(gm, inputs, rewritten=1)
         self.assertExpectedInline(str(report.candidates[0]), """\
-mlp [gated] REWRITTEN: down(relu(gate(x)) * up(x)) with x = x (nn.Linear, nn.Linear, chunk piece)
+mlp [gated] REWRITTEN: down(relu(gate(x)) * up(x)) with x = x (chunk piece of nn.Linear, nn.Linear)
   before:
     mlp_gate_up_proj = self.mlp.gate_up_proj(x)
     chunk = mlp_gate_up_proj.chunk(2, dim=-1)
