@@ -171,6 +171,36 @@ def is_view(node: Any) -> bool:
     return is_call(node, VIEW_FUNCTIONS, VIEW_METHODS)
 
 
+# (input, p, training) positionally in each; F.dropout's training defaults to True, so it must be given.
+_DROPOUT_FUNCTIONS = frozenset({F.dropout, torch.dropout, aten.dropout.default})
+
+
+def is_identity_dropout(node: Any) -> bool:
+    """A dropout call that returns its input unchanged: training ``False`` or ``p`` 0, as literals.
+
+    Dynamo and export bake the module's ``training`` flag into the graph (they guard on it), so in an
+    eval-mode graph ``F.dropout(t, 0.1, False)`` is the identity. An ``nn.Dropout`` call_module of a
+    symbolic_trace graph is not: the module may be put back in training mode after the rewrite.
+    """
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _DROPOUT_FUNCTIONS):
+        return False
+    if _inplace_flag(node) or set(node.kwargs) - {"p", "training", "train", "inplace"}:
+        return False
+    p = get_arg(node, 1, "p", 0.5)
+    training = get_arg(node, 2, "train" if node.target is not F.dropout else "training", True)
+    return training is False or (type(p) in (int, float) and p == 0)
+
+
+_COPY_FUNCTIONS = frozenset({aten.clone.default, torch.clone})
+_COPY_METHODS = frozenset({"clone", "contiguous"})
+
+
+def is_value_identity(node: Any) -> bool:
+    """A call whose result holds its input's values: an identity dropout, or a copy (``clone``,
+    ``contiguous``; ``run_decompositions`` turns an eval-mode dropout into ``aten.clone``)."""
+    return is_identity_dropout(node) or is_call(node, _COPY_FUNCTIONS, _COPY_METHODS)
+
+
 def _is_zero_literal(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
 
@@ -436,24 +466,29 @@ def format_nodes_code(nodes: Iterable[fx.Node]) -> str:
 
 
 def skip_identity_views(node: fx.Node, max_depth: int = 4) -> tuple[fx.Node, tuple[fx.Node, ...]]:
-    """Looks through reshapes that end at the shape they started from.
+    """Looks through reshapes that end at the shape they started from, identity dropouts and copies.
 
     Functionalized in-place ops leave such round trips behind (``relu_`` on a 3-D tensor becomes
-    ``view(view(relu(t), [N, F]), [B, S, F])`` after ``run_decompositions``). Returns the deepest
-    node with ``node``'s shape and the views skipped (outermost first); needs shape metadata.
+    ``view(view(relu(t), [N, F]), [B, S, F])`` after ``run_decompositions``), and eval-mode models
+    their dropouts (T5's MLP: ``wo(dropout(relu(wi(x))))``), or copies (``is_value_identity``). Returns the
+    deepest node with ``node``'s shape and value, and the nodes skipped (outermost first); reshapes
+    need shape metadata.
     """
-    shape = node_shape(node) if is_view(node) else None
-    if shape is None:
-        return node, ()
+    shape = node_shape(node)
     best: tuple[fx.Node, tuple[fx.Node, ...]] = (node, ())
     chain: list[fx.Node] = []
     current = node
+    only_identities = True  # so far: the value is node's whatever the shapes say
     for _ in range(max_depth):
-        source = first_input(current) if is_view(current) else None
+        if is_view(current) and shape is not None:
+            only_identities = False
+        elif not is_value_identity(current):
+            break
+        source = first_input(current)
         if not isinstance(source, fx.Node):
             break
         chain.append(current)
         current = source
-        if shapes_equal(node_shape(current), shape):
+        if only_identities or shapes_equal(node_shape(current), shape):
             best = (current, tuple(chain))
     return best

@@ -1,8 +1,9 @@
-"""Hugging Face causal LMs compiled with ``backend="twell"``: every ReLU MLP rewritten, logits and all
-parameter gradients as in eager; the same architectures with SiLU/GELU are left alone.
+"""Hugging Face models compiled with ``backend="twell"``: every ReLU MLP rewritten, logits and all
+parameter gradients as in eager; the same architectures with SiLU/GELU are left alone. T5 (ReLU,
+encoder-decoder): rewritten in eval mode, left alone in training mode, where its dropout is live.
 
 The models are tiny and built from configs with random weights (nothing is downloaded). Each test
-triggers one Inductor compile (training tests: forward and backward), twelve in all.
+triggers one Inductor compile (training tests: forward and backward), fifteen in all.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from transformers import (
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
 )
 
 from helpers import assert_grads_close, backend_reports
@@ -137,3 +140,39 @@ def test_non_relu_model_left_alone(name):
     assert len(reasons) == LAYERS
     assert all(f"activation is {other_act}" in reason for reason in reasons), reasons
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def _t5(feed_forward_proj: str, dropout_rate: float = 0.1):
+    config = T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=INTERMEDIATE,
+                      num_layers=LAYERS, num_decoder_layers=LAYERS, num_heads=HEADS,
+                      feed_forward_proj=feed_forward_proj, dropout_rate=dropout_rate,
+                      decoder_start_token_id=0, **_SMALL_VOCAB_TOKENS)
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("feed_forward_proj, kind", [("relu", "non_gated"), ("gated-relu", "gated")])
+@torch.no_grad()
+def test_t5_eval_mode_blocks_rewritten(feed_forward_proj, kind):
+    # T5's MLP is wo(dropout(relu(wi(x)))) (gated: wo(dropout(relu(wi_0(x)) * wi_1(x)))): in eval mode
+    # Dynamo bakes training=False into the dropout, which is then the identity the pass looks through.
+    model = _t5(feed_forward_proj).eval()
+    ids = _input_ids()
+    logits = torch.compile(model, backend="twell")(input_ids=ids, decoder_input_ids=ids).logits
+    expected = model(input_ids=ids, decoder_input_ids=ids).logits
+
+    reports = backend_reports()
+    assert sum(r.rewritten_count for r in reports) == 2 * LAYERS  # encoder and decoder
+    assert sum(r.gated_count if kind == "gated" else r.non_gated_count for r in reports) == 2 * LAYERS
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_t5_training_mode_dropout_left_alone():
+    # In training mode the dropout is live, and the op has none: every block is left alone, with why.
+    model = _t5("relu").train()
+    ids = _input_ids()
+    torch.compile(model, backend="twell")(input_ids=ids, decoder_input_ids=ids)
+    reasons = [reason for r in backend_reports() for reason in r.reasons]
+    assert len(reasons) == 2 * LAYERS
+    assert all("dropout" in reason and "sits between the relu and the down projection" in reason
+               for reason in reasons), reasons

@@ -674,6 +674,72 @@ def test_uneven_chunk_reported():
 
 
 # ---------------------------------------------------------------------------------------------------
+# Dropouts that return their input (eval mode, p = 0) are looked through (T5: wo(dropout(relu(wi(x)))))
+# ---------------------------------------------------------------------------------------------------
+
+IDENTITY_DROPOUTS = {
+    "F.dropout(training=False)": lambda t: F.dropout(t, 0.1, training=False),
+    "F.dropout(p=0)": lambda t: F.dropout(t, p=0.0),
+    "torch.dropout(train=False)": lambda t: torch.dropout(t, 0.3, False),
+}
+
+
+class DropoutMLP(nn.Module):
+    """A gated block with a dropout on the gate, after the ReLU and after the product, as T5 and
+    others place them; ``nn.Dropout`` modules unless ``dropout`` names a functional spelling."""
+
+    def __init__(self, dropout: str | None = None, p: float = 0.1):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(D, F_), nn.Linear(D, F_)
+        self.down_proj = nn.Linear(F_, D_OUT)
+        self.drop = IDENTITY_DROPOUTS[dropout] if dropout else nn.Dropout(p)
+
+    def forward(self, x):
+        gate = torch.relu(self.drop(self.gate_proj(x)))
+        return self.down_proj(self.drop(self.drop(gate) * self.up_proj(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dropout", list(IDENTITY_DROPOUTS))
+def test_identity_dropouts_looked_through(mode, dropout):
+    gm, inputs = capture(mode, Wrapped(DropoutMLP(dropout)), x3d())
+    rewrite(gm, inputs, rewritten=1, left_alone=0)
+    assert not [n for n in gm.graph.nodes if "dropout" in str(n.target)], gm.code
+
+
+@pytest.mark.parametrize("mode", ["dynamo", "export"])
+def test_eval_mode_dropout_modules_looked_through(mode):
+    # Dynamo and export bake the eval-mode flag into the graph as a literal (and guard on it).
+    gm, inputs = capture(mode, Wrapped(DropoutMLP()), x3d())
+    rewrite(gm, inputs, rewritten=1, left_alone=0)
+
+
+def test_training_mode_dropout_left_alone():
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(Custom(_dropout_before_down).train(), backend=record, fullgraph=True)(x3d())
+    report = run_passes(graphs[0])
+    assert_left_alone(report, "dropout", "sits between the relu and the down projection")
+    # The same model in eval mode: the dropout is an identity, and the block is rewritten.
+    gm, inputs = capture("dynamo", Custom(_dropout_before_down), x3d())
+    rewrite(gm, inputs, rewritten=1, left_alone=0)
+
+
+def test_dropout_module_of_symbolic_trace_left_alone():
+    # The traced module may be put back in training mode later: its Dropout is not an identity.
+    gm, inputs = capture("symbolic", Wrapped(DropoutMLP()), x3d())
+    report = rewrite(gm, inputs, rewritten=0)
+    assert report.left_alone_count == 0, str(report)  # three dropouts: no near-miss shape either
+    gm, inputs = capture("symbolic", Custom(_dropout_before_down), x3d())
+    assert_left_alone(rewrite(gm, inputs, rewritten=0), "Dropout (dropout) sits between")
+
+
+# ---------------------------------------------------------------------------------------------------
 # Near-misses that must be left alone, with a reason
 # ---------------------------------------------------------------------------------------------------
 
