@@ -79,6 +79,23 @@ def test_opcheck_without_grad(name):
     torch.library.opcheck(op, make_args(3, torch.float32, True))
 
 
+def test_opcheck_with_row_slices_of_a_fused_weight():
+    # What the pass hands the op for a fused gate-and-up projection (passes/fused_projection.py): views
+    # of one weight and one bias, the up slice at a storage offset. Gradients reach the fused leaves.
+    x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias = gated_args(3)
+    fused_weight = torch.cat([up_weight, gate_weight]).requires_grad_()
+    fused_bias = torch.cat([up_bias, gate_bias]).requires_grad_()
+    args = (x.requires_grad_(), fused_weight[INTER:], fused_weight[:INTER], down_weight.requires_grad_(),
+            fused_bias[INTER:], fused_bias[:INTER], down_bias.requires_grad_())
+    assert args[2].storage_offset() == 0 and args[1].storage_offset() == INTER * HIDDEN
+    torch.library.opcheck(gated_op, args)
+    out = gated_op(*args)
+    expected = eager_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    assert fused_weight.grad is not None and fused_bias.grad is not None
+
+
 @op_names
 def test_schema_is_functional(name):
     op, _, _ = OPS[name]
