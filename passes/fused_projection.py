@@ -8,7 +8,8 @@ of a contiguous weight are contiguous), so nothing is copied.
 
 Spellings: ``t.chunk(n, dim)``, ``torch.chunk``, ``aten.chunk``; ``t.split(size or sizes, dim)``,
 ``torch.split``, ``aten.split.Tensor``, ``aten.split_with_sizes``; each piece taken by ``getitem``.
-The split must be along the last dim and its sizes known; anything else is no match.
+Or a piece taken directly: ``t[..., a:b]`` (``aten.slice.Tensor`` in export graphs), ``t.narrow(-1,
+start, length)``. The split must be along the last dim and its sizes known; anything else is no match.
 """
 
 from __future__ import annotations
@@ -34,7 +35,26 @@ _SPEC_NAMES = ("chunks", "split_size_or_sections", "split_size", "split_sizes")
 
 def match_projection(node: object, gm: fx.GraphModule | None) -> LinearMatch | None:
     """The linear computation ending at ``node``, whole or a piece of a fused one's output."""
-    return match_linear(node, gm) or match_linear_piece(node, gm)
+    return match_linear(node, gm) or match_linear_piece(node, gm) or match_linear_slice(node, gm)
+
+
+def match_linear_slice(node: object, gm: fx.GraphModule | None) -> LinearMatch | None:
+    """``node`` = ``linear(x, W, b)[..., a:b]`` (or a narrow), as ``linear(x, W[a:b], b[a:b])``."""
+    spec = _slice_spec(node)
+    if spec is None:
+        return None
+    source, kind, start, stop, dim = spec
+    linear = match_linear(source, gm)
+    total = linear.out_features if linear is not None else None
+    if type(total) is not int or not _is_last_dim(dim, source):
+        return None
+    bounds = _slice_bounds(kind, start, stop, total)
+    if bounds is None:
+        return None
+    weight = RowSlice(linear.weight, *bounds)
+    bias = RowSlice(linear.bias, *bounds) if linear.bias is not None else None
+    return LinearMatch(node, linear.input, weight, bias, f"{kind} of {linear.spelling}",
+                       (node, *linear.value_nodes), linear.input_nodes, linear.weight_nodes)
 
 
 def match_linear_piece(node: object, gm: fx.GraphModule | None) -> LinearMatch | None:
@@ -106,3 +126,64 @@ def _pieces(kind: str, spec: object, total: int) -> list[tuple[int, int]] | None
         bounds = [0, *itertools.accumulate(spec)]
         return list(zip(bounds[:-1], bounds[1:]))
     return None
+
+
+_SLICE_FUNCTIONS = frozenset({aten.slice.Tensor})
+_NARROW_FUNCTIONS = frozenset({torch.narrow, aten.narrow.default})
+_NARROW_METHODS = frozenset({"narrow"})
+
+
+def _slice_spec(node: object) -> tuple[fx.Node, str, object, object, object] | None:
+    """``(tensor, "slice" or "narrow", start, stop or length, dim)`` of a slice of one dim."""
+    if not isinstance(node, fx.Node) or node.kwargs and not is_call(node, _SLICE_FUNCTIONS):
+        return None
+    args = node.args
+    if node.op == "call_function" and node.target is operator.getitem and len(args) == 2:
+        tensor, index = args
+        # t[..., a:b], or t[:, a:b] with the rank known: a slice of the last dim only.
+        if not isinstance(index, tuple) or not index or not isinstance(index[-1], slice):
+            return None
+        leading = index[:-1]
+        if leading == (Ellipsis,):
+            dim = -1
+        elif all(s == slice(None) for s in leading):
+            dim = len(leading)
+        else:
+            return None
+        last = index[-1]
+        if last.step not in (None, 1):
+            return None
+        return (tensor, "slice", last.start, last.stop, dim) if isinstance(tensor, fx.Node) else None
+    if is_call(node, _SLICE_FUNCTIONS):
+        if set(node.kwargs) - {"dim", "start", "end", "step"}:
+            return None
+        names = ("self", "dim", "start", "end", "step")
+        values = dict(zip(names, args))
+        values.update(node.kwargs)
+        if values.get("step", 1) != 1 or not isinstance(values.get("self"), fx.Node):
+            return None
+        return values["self"], "slice", values.get("start"), values.get("end"), values.get("dim", 0)
+    if is_call(node, _NARROW_FUNCTIONS, _NARROW_METHODS) and len(args) == 4 and isinstance(args[0], fx.Node):
+        return args[0], "narrow", args[2], args[3], args[1]
+    return None
+
+
+def _slice_bounds(kind: str, start: object, stop: object, total: int) -> tuple[int, int] | None:
+    """``(start, stop)`` of the rows a slice or narrow takes, as torch computes them; None if unknown
+    or empty."""
+    if kind == "narrow":  # narrow(dim, start, length): start may count from the end; no clamping
+        if type(start) is not int or type(stop) is not int or stop < 0:
+            return None
+        first = start + total if start < 0 else start
+        last = first + stop
+        return (first, last) if 0 <= first < last <= total else None
+    bounds = []
+    for value, default in ((start, 0), (stop, total)):
+        if value is None:
+            value = default
+        if type(value) is not int:
+            return None
+        if value < 0:
+            value += total
+        bounds.append(min(max(value, 0), total))
+    return (bounds[0], bounds[1]) if bounds[0] < bounds[1] else None

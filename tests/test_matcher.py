@@ -538,6 +538,9 @@ FUSED_SPLITS = {
     "Tensor.split": lambda t: t.split(F_, dim=-1),
     "torch.split(sizes)": lambda t: torch.split(t, [F_, F_], -1),
     "Tensor.split(dim=2)": lambda t: t.split(F_, 2),  # the last dim of a 3-D x, by its index
+    "slices": lambda t: (t[..., :F_], t[..., F_:]),
+    "slices(-F:)": lambda t: (t[:, :, 0:F_], t[..., -F_:]),
+    "Tensor.narrow": lambda t: (t.narrow(-1, 0, F_), t.narrow(2, -F_, F_)),
 }
 
 
@@ -576,7 +579,9 @@ def test_fused_gate_up_every_dialect(mode, split, gate_second):
     gate_rows, up_rows = ((F_, 2 * F_), (0, F_)) if gate_second else ((0, F_), (F_, 2 * F_))
     assert _fused_slices(call) == [gate_rows, up_rows, gate_rows, up_rows]
     # The fused projection, its split and its pieces are gone: one call reads slices of the weight.
-    assert not [n for n in gm.graph.nodes if "chunk" in str(n.target) or "split" in str(n.target)], gm.code
+    leftovers = [n for n in gm.graph.nodes if any(s in str(n.target) for s in ("chunk", "split", "narrow", "getitem"))]
+    assert not leftovers, gm.code
+    assert all(n.args[0].op in ("get_attr", "placeholder") for n in gm.graph.nodes if n.target is aten.slice.Tensor)
 
 
 def test_fused_gate_up_without_bias_and_make_fx():
@@ -644,12 +649,19 @@ def _split_along_tokens(m, x):
     return m.down_proj(torch.relu(gate) * up)
 
 
+def _strided_slices(m, x):
+    # Every other feature: W[::2] is no row slice the op could take as a view, so no match.
+    gate_up = m.gate_up_proj(x)
+    return m.down_proj(torch.relu(gate_up[..., ::2]) * gate_up[..., 1::2])
+
+
 @pytest.mark.parametrize("mode", ["symbolic", "dynamo"])
 @pytest.mark.parametrize("case, out_features, reason", [
     (_other_piece_used, 2 * F_, ("the up projection output", "has another user: sum")),
     (_third_piece_used, 3 * F_, ("(split) has another user",)),
     (_split_along_tokens, 2 * F_, None),
-], ids=["other_piece_used", "third_piece_used", "split_along_tokens"])
+    (_strided_slices, 2 * F_, None),
+], ids=["other_piece_used", "third_piece_used", "split_along_tokens", "strided_slices"])
 def test_fused_projection_left_alone(mode, case, out_features, reason):
     model = Custom(case)
     model.gate_up_proj = nn.Linear(D, out_features)
