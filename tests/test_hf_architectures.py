@@ -1,7 +1,7 @@
 """More Hugging Face architectures with a ReLU MLP, compiled with ``backend="twell"`` in eval mode:
 every block rewritten (encoder and decoder), none left alone, outputs as in eager.
 
-Encoders (BERT, DistilBERT, ViT), translation models (M2M100, the NLLB architecture; Marian) and
+Encoders (BERT, DistilBERT, ViT, ALBERT, DeBERTa-v2, MobileBERT), translation models (M2M100, the NLLB architecture; Marian) and
 decoders (GPT-J, XGLM, GPTBigCode, Nemotron, BioGPT), each with its MLP's activation set to ReLU where
 it is not already. Several put an eval-mode dropout between the ReLU and the down projection, which
 the pass looks through (``fx_utils.is_value_identity``). Tiny random configurations; nothing is
@@ -22,14 +22,22 @@ SEQ2SEQ = dict(d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, enc
                decoder_attention_heads=HEADS, encoder_ffn_dim=INTERMEDIATE, decoder_ffn_dim=INTERMEDIATE,
                decoder_start_token_id=2, activation_function="relu", **TOKENS)
 
+BERT_LIKE = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                 intermediate_size=INTERMEDIATE, hidden_act="relu")
+
 # model_type -> (auto class, config arguments, MLP blocks in the model)
 ARCHITECTURES = {
-    "bert": (AutoModel, dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                             intermediate_size=INTERMEDIATE, hidden_act="relu"), LAYERS),
+    "bert": (AutoModel, BERT_LIKE, LAYERS),
     "distilbert": (AutoModel, dict(dim=HIDDEN, n_layers=LAYERS, n_heads=HEADS, hidden_dim=INTERMEDIATE,
                                    activation="relu"), LAYERS),
     "vit": (AutoModel, dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                             intermediate_size=INTERMEDIATE, hidden_act="relu", image_size=32, patch_size=8), LAYERS),
+    # ALBERT shares one layer's weights across its layers: one block per call site all the same.
+    "albert": (AutoModel, dict(BERT_LIKE, embedding_size=16), LAYERS),
+    "deberta-v2": (AutoModel, BERT_LIKE, LAYERS),
+    # MobileBERT: bottlenecked layers of several feed-forward networks each (2 here).
+    "mobilebert": (AutoModel, dict(BERT_LIKE, embedding_size=16, intra_bottleneck_size=16, true_hidden_size=16,
+                                   num_feedforward_networks=2), 2 * LAYERS),
     "m2m_100": (AutoModelForSeq2SeqLM, SEQ2SEQ, 2 * LAYERS),
     "marian": (AutoModelForSeq2SeqLM, SEQ2SEQ, 2 * LAYERS),
     "gptj": (AutoModelForCausalLM, dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, rotary_dim=4,
