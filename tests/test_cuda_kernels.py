@@ -127,6 +127,28 @@ def test_float32_uses_exact_reference():
 
 
 @requires_twell_kernels
+@pytest.mark.parametrize("m", [16, 1024, 4097])  # decode GEMVs, the cuBLAS-free kernels, row by row
+@pytest.mark.parametrize("path", ["auto", "sparse", "dense"])
+def test_row_slices_of_a_fused_weight_give_the_same_bits(m, path):
+    # What the pass hands the op for a fused gate-and-up projection (passes/fused_projection.py): row
+    # slices of one weight and bias. Up comes first in the fused weight here, so the gate's slice is
+    # the one at a storage offset (Phi-3 puts the gate first). Same values as separate weights, the
+    # same alignment, so the same bits.
+    problem = make_problem(m, 2048, 5632, nnz_per_row=24.0, bias=True, dense_rows=(0,))
+    fused_weight = torch.cat([problem.up_weight, problem.gate_weight])
+    fused_bias = torch.cat([problem.up_bias, problem.gate_bias])
+    f = problem.gate_weight.shape[0]
+    sliced = (problem.x, fused_weight[f:], fused_weight[:f], problem.down_weight, fused_bias[f:], fused_bias[:f],
+              problem.down_bias)
+    assert sliced[1].storage_offset() == f * 2048 and sliced[1].is_contiguous()
+    with kernel_config(poison_buffers=True, **PATHS[path]):
+        expected = torch.ops.twell.gated_relu_mlp(*problem.gated_args())
+        actual = torch.ops.twell.gated_relu_mlp(*sliced)
+    assert torch.equal(actual, expected)
+    _check(actual, *problem_references(problem, True), f"m={m} {path}, sliced weights")
+
+
+@requires_twell_kernels
 def test_no_aliasing_and_inputs_untouched():
     problem = make_problem(300, 256, 512, nnz_per_row=16.0, bias=True)
     before = [t.clone() for t in problem.gated_args()]
