@@ -48,13 +48,8 @@ def match_linear_slice(node: object, gm: fx.GraphModule | None) -> LinearMatch |
     total = linear.out_features if linear is not None else None
     if type(total) is not int or not _is_last_dim(dim, source):
         return None
-    bounds = _slice_bounds(kind, start, stop, total)
-    if bounds is None:
-        return None
-    weight = RowSlice(linear.weight, *bounds)
-    bias = RowSlice(linear.bias, *bounds) if linear.bias is not None else None
-    return LinearMatch(node, linear.input, weight, bias, f"{kind} of {linear.spelling}",
-                       (node, *linear.value_nodes), linear.input_nodes, linear.weight_nodes)
+    rows = _slice_bounds(kind, start, stop, total)
+    return None if rows is None else _rows_of(linear, rows, node, (), f"{kind} of {linear.spelling}")
 
 
 def match_linear_piece(node: object, gm: fx.GraphModule | None) -> LinearMatch | None:
@@ -75,13 +70,19 @@ def match_linear_piece(node: object, gm: fx.GraphModule | None) -> LinearMatch |
     pieces = _pieces(kind, sizes, total)
     if pieces is None or not -len(pieces) <= index < len(pieces):
         return None
-    start, stop = pieces[index]
-    weight = RowSlice(linear.weight, start, stop)
-    bias = RowSlice(linear.bias, start, stop) if linear.bias is not None else None
     # Pieces nothing reads (symbolic_trace keeps ``_`` of ``gate, _ = t.chunk(2, -1)``) go with the block.
     unread = tuple(p for p in split.users if p is not node and not p.users)
-    return LinearMatch(node, linear.input, weight, bias, f"{kind} piece of {linear.spelling}",
-                       (node, split, *unread, *linear.value_nodes), linear.input_nodes, linear.weight_nodes)
+    return _rows_of(linear, pieces[index], node, (split, *unread), f"{kind} piece of {linear.spelling}")
+
+
+def _rows_of(linear: LinearMatch, rows: tuple[int, int], output: fx.Node, between: tuple[fx.Node, ...],
+             spelling: str) -> LinearMatch:
+    """``linear`` restricted to output features ``rows`` (start, stop), its value at ``output``, which
+    ``between`` (the split, say) computes from the linear's."""
+    weight = RowSlice(linear.weight, *rows)
+    bias = RowSlice(linear.bias, *rows) if linear.bias is not None else None
+    return LinearMatch(output, linear.input, weight, bias, spelling, (output, *between, *linear.value_nodes),
+                       linear.input_nodes, linear.weight_nodes)
 
 
 def _split_spec(node: object) -> tuple[fx.Node, str, object, object] | None:
