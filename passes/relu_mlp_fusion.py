@@ -397,6 +397,13 @@ def _near_miss(down: LinearMatch, hidden: fx.Node, gm: fx.GraphModule) -> _NearM
     # down(op(act(gate(x))) * up(x)): an op sits between the activation and the product.
     operands = _mul_operands(hidden)
     if operands is not None:
+        # down(act(gate(x)) * act(up(x))) (dReLU, as in TurboSparse): both factors activated.
+        both = [_activation_over_linear(_skip_views(o), gm) for o in operands]
+        if all(both):
+            nodes.update(n for a in both for n in (a.node, *a.parts, *a.linear.nodes))
+            problem = (f"both factors of the product are activated ({both[0].name}(gate(x)) * {both[1].name}(up(x))); "
+                       f"the op multiplies by up(x) itself")
+            return _NearMiss(GATED, down.output, nodes, problem)
         for wedged, other in (operands, operands[::-1]):
             activation = _activation_over_linear(_skip_views(first_input(wedged)), gm)
             up = match_projection(_skip_views(other), gm) if activation is not None else None

@@ -800,6 +800,10 @@ def _dropout_before_down(m, x):
     return m.down_proj(m.dropout(torch.relu(m.up_proj(x))))
 
 
+def _both_factors_activated(m, x):  # dReLU
+    return m.down_proj(torch.relu(m.gate_proj(x)) * torch.relu(m.up_proj(x)))
+
+
 def _down_elsewhere(m, x):
     product = torch.relu(m.gate_proj(x)) * m.up_proj(x)
     return m.down_proj(torch.zeros_like(product)) + product.sum()
@@ -817,6 +821,8 @@ NEAR_MISSES = {
     "op_before_down": (_op_before_down, "sits between the product and the down projection"),
     "dropout_before_down": (_dropout_before_down, "sits between the relu and the down projection"),
     "down_elsewhere": (_down_elsewhere, None),
+    "both_factors_activated": (_both_factors_activated,
+                               "both factors of the product are activated (relu(gate(x)) * relu(up(x)))"),
 }
 
 
@@ -829,7 +835,8 @@ def test_near_miss_left_alone(name):
         assert_left_alone(report, reason)
 
 
-@pytest.mark.parametrize("name", ["relu_output_reused", "different_inputs", "scale_between", "relu_after_mul"])
+@pytest.mark.parametrize("name", ["relu_output_reused", "different_inputs", "scale_between", "relu_after_mul",
+                                  "both_factors_activated"])
 def test_near_miss_left_alone_dynamo(name):
     fn, _ = NEAR_MISSES[name]
     gm, inputs = capture("dynamo", Custom(fn), x3d())
