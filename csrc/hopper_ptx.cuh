@@ -168,16 +168,9 @@ __device__ __forceinline__ float4 ld_shared_cluster_v4(const void* local, uint32
   return v;
 }
 
-// Writes 2 floats at the same shared-memory offset in CTA `cta` of the cluster (distributed shared
-// memory). A posted store: the thread goes on at once, and a later release (cluster_sync) publishes it.
-__device__ __forceinline__ void st_shared_cluster_v2(const void* local, uint32_t cta, float2 v) {
-  asm volatile(
-      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "st.shared::cluster.v2.f32 [remote], {%2, %3};\n}"
-      ::"r"(smem_addr(local)), "r"(cta), "f"(v.x), "f"(v.y) : "memory");
-}
-
-// Writes 4 floats (16-byte aligned) likewise.
+// Writes 4 floats (16-byte aligned) at the same shared-memory offset in CTA `cta` of the cluster
+// (distributed shared memory). A posted store: the thread goes on at once, and a later release
+// (cluster_sync) publishes it.
 __device__ __forceinline__ void st_shared_cluster_v4(const void* local, uint32_t cta, float4 v) {
   asm volatile(
       "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"

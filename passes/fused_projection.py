@@ -27,7 +27,7 @@ aten = torch.ops.aten
 
 _CHUNK_FUNCTIONS = frozenset({torch.chunk, aten.chunk.default})
 _CHUNK_METHODS = frozenset({"chunk"})
-_SPLIT_FUNCTIONS = frozenset({torch.split, torch.functional.split, aten.split.Tensor, aten.split_with_sizes.default})
+_SPLIT_FUNCTIONS = frozenset({torch.split, aten.split.Tensor, aten.split_with_sizes.default})  # torch.functional.split too
 _SPLIT_METHODS = frozenset({"split", "split_with_sizes"})
 # Argument names of the spec and the dim, across the spellings (torch.split, Tensor.split, aten).
 _SPEC_NAMES = ("chunks", "split_size_or_sections", "split_size", "split_sizes")

@@ -29,6 +29,9 @@ requires_twell_kernels = pytest.mark.skipif(not _twell_kernels_ready(),
 # (config.cublas_rows) or route a dense layer there. KERNEL_PATHS: the dense-path decision forced one
 # way or the other, and the kernels' own (device-side, per 128-row block), all on the TwELL kernels.
 KERNELS_ONLY = dict(cublas_rows=(1, 0), route_by_density=False)
+# Special-token ids inside the tiny test vocabularies (several configs default to ids past them).
+SMALL_VOCAB_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
 KERNEL_PATHS = {
     "sparse": dict(dense_block_density=float("inf"), decode_dense_block_density=float("inf"),
                    chunked_dense_block_density=float("inf"), heavy_block_overflow_tiles=2**31 - 1, **KERNELS_ONLY),

@@ -14,13 +14,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from helpers import backend_reports
+from helpers import SMALL_VOCAB_TOKENS, backend_reports
 
 VOCAB, HIDDEN, INTERMEDIATE, LAYERS, HEADS = 128, 32, 64, 2, 4
-TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 SEQ2SEQ = dict(d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=HEADS,
                decoder_attention_heads=HEADS, encoder_ffn_dim=INTERMEDIATE, decoder_ffn_dim=INTERMEDIATE,
-               decoder_start_token_id=2, activation_function="relu", **TOKENS)
+               decoder_start_token_id=2, activation_function="relu", **SMALL_VOCAB_TOKENS)
 
 BERT_LIKE = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                  intermediate_size=INTERMEDIATE, hidden_act="relu")
@@ -41,16 +40,16 @@ ARCHITECTURES = {
     "m2m_100": (AutoModelForSeq2SeqLM, SEQ2SEQ, 2 * LAYERS),
     "marian": (AutoModelForSeq2SeqLM, SEQ2SEQ, 2 * LAYERS),
     "gptj": (AutoModelForCausalLM, dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, rotary_dim=4,
-                                        activation_function="relu", **TOKENS), LAYERS),
+                                        activation_function="relu", **SMALL_VOCAB_TOKENS), LAYERS),
     "xglm": (AutoModelForCausalLM, dict(d_model=HIDDEN, num_layers=LAYERS, attention_heads=HEADS,
-                                        ffn_dim=INTERMEDIATE, activation_function="relu", **TOKENS), LAYERS),
+                                        ffn_dim=INTERMEDIATE, activation_function="relu", **SMALL_VOCAB_TOKENS), LAYERS),
     "gpt_bigcode": (AutoModelForCausalLM, dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-                                               activation_function="relu", **TOKENS), LAYERS),
+                                               activation_function="relu", **SMALL_VOCAB_TOKENS), LAYERS),
     "nemotron": (AutoModelForCausalLM, dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                                             num_key_value_heads=HEADS, head_dim=HIDDEN // HEADS,
-                                            intermediate_size=INTERMEDIATE, hidden_act="relu", **TOKENS), LAYERS),
+                                            intermediate_size=INTERMEDIATE, hidden_act="relu", **SMALL_VOCAB_TOKENS), LAYERS),
     "biogpt": (AutoModelForCausalLM, dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                          intermediate_size=INTERMEDIATE, hidden_act="relu", **TOKENS), LAYERS),
+                                          intermediate_size=INTERMEDIATE, hidden_act="relu", **SMALL_VOCAB_TOKENS), LAYERS),
 }
 
 

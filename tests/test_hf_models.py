@@ -29,7 +29,7 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from helpers import assert_grads_close, backend_reports
+from helpers import SMALL_VOCAB_TOKENS, assert_grads_close, backend_reports
 
 VOCAB, HIDDEN, INTERMEDIATE, LAYERS, HEADS = 128, 32, 64, 2, 4
 BATCH, SEQ = 2, 8
@@ -70,9 +70,6 @@ def _opt(act: str):
     return OPTForCausalLM(config)
 
 
-# Phi-3's and GLM's default special tokens lie past the tiny vocabulary.
-_SMALL_VOCAB_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-
 # name -> (builder taking the activation, ReLU activation, non-ReLU activation, kind of MLP block)
 MODELS = {
     "llama": (lambda act: _llama_like(LlamaConfig, LlamaForCausalLM, act, mlp_bias=True), "relu", "silu", "gated"),
@@ -80,8 +77,8 @@ MODELS = {
     "mistral": (lambda act: _llama_like(MistralConfig, MistralForCausalLM, act), "relu", "silu", "gated"),
     "opt": (_opt, "relu", "gelu", "non_gated"),
     # gate and up as one fused projection, gate_up_proj(x).chunk(2, dim=-1) (passes/fused_projection.py)
-    "phi3": (lambda act: _llama_like(Phi3Config, Phi3ForCausalLM, act, **_SMALL_VOCAB_TOKENS), "relu", "silu", "gated"),
-    "glm": (lambda act: _llama_like(GlmConfig, GlmForCausalLM, act, **_SMALL_VOCAB_TOKENS), "relu", "silu", "gated"),
+    "phi3": (lambda act: _llama_like(Phi3Config, Phi3ForCausalLM, act, **SMALL_VOCAB_TOKENS), "relu", "silu", "gated"),
+    "glm": (lambda act: _llama_like(GlmConfig, GlmForCausalLM, act, **SMALL_VOCAB_TOKENS), "relu", "silu", "gated"),
 }
 model_names = pytest.mark.parametrize("name", list(MODELS))
 
@@ -146,7 +143,7 @@ def _t5(feed_forward_proj: str, dropout_rate: float = 0.1):
     config = T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=INTERMEDIATE,
                       num_layers=LAYERS, num_decoder_layers=LAYERS, num_heads=HEADS,
                       feed_forward_proj=feed_forward_proj, dropout_rate=dropout_rate,
-                      decoder_start_token_id=0, **_SMALL_VOCAB_TOKENS)
+                      decoder_start_token_id=0, **SMALL_VOCAB_TOKENS)
     torch.manual_seed(0)
     return T5ForConditionalGeneration(config)
 
