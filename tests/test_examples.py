@@ -61,6 +61,15 @@ def test_bench_decode_on_cpu():
     assert float(row[5]) < 1e-2, out  # the reference ops on CPU: the dense model's answer
 
 
+def test_profile_decode_host_on_cpu():
+    out = run_example("profile_decode_host.py", "--device", "cpu", "--layers", "1", "--hidden", "64",
+                      "--intermediate", "256", "--heads", "4", "--vocab", "128", "--batch", "2", "--prompt", "8",
+                      "--steps", "2", "--warmup", "1", "--top", "5")
+    assert "=== batch 2 inductor:" in out and "=== batch 2 twell:" in out, out
+    assert "recompiles {}" in out and "router: " in out, out
+    assert "Ordered by: internal time" in out, out
+
+
 def test_sparse_reuse():
     out = run_example("sparse_reuse.py", "--m", "512", "--hidden", "64", "--intermediate", "512", "--nnz", "8",
                       "--blocks", "1", "128", "512")
