@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--layers", type=int, default=38)
     parser.add_argument("--prompt", type=int, default=64)
-    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--top", type=int, default=30, help="functions cProfile lists (0: no profile)")
     parser.add_argument("--nnz", type=float, default=24.0, help="active units per token the gate biases aim at")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--hidden", type=int, default=2048)
@@ -115,11 +115,13 @@ def main() -> None:
                 ms = (time.perf_counter() - began) * 1e3 / args.steps  # wall time: the host paces these steps
                 for name, fn in originals.items():
                     setattr(tm, name, fn)
-                profiler = cProfile.Profile()
-                profiler.enable()
-                run(args.steps)
-                sync()
-                profiler.disable()
+                profiler = None
+                if args.top > 0:
+                    profiler = cProfile.Profile()
+                    profiler.enable()
+                    run(args.steps)
+                    sync()
+                    profiler.disable()
                 frames = dict(torch._dynamo.utils.counters["frames"])
                 recompiles = dict(torch._dynamo.utils.counters["recompiles"])
                 print(f"\n=== batch {batch} {backend}: {ms:.3f} ms/step; dynamo frames {frames} recompiles {recompiles}; "
@@ -128,9 +130,10 @@ def main() -> None:
                       flush=True)
                 if backend == "twell":
                     print(f"router: {router_summary(ROUTER)}")
-                text = io.StringIO()
-                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
-                print("\n".join(text.getvalue().splitlines()[:args.top + 12]), flush=True)
+                if profiler is not None:
+                    text = io.StringIO()
+                    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
+                    print("\n".join(text.getvalue().splitlines()[:args.top + 12]), flush=True)
 
 
 if __name__ == "__main__":

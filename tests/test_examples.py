@@ -70,6 +70,16 @@ def test_profile_decode_host_on_cpu():
     assert "Ordered by: internal time" in out, out
 
 
+def test_ab_decode_processes_on_cpu():
+    out = run_example("ab_decode_processes.py", "--env", "TWELL_ROUTE_BY_DENSITY", "--values", "1", "0", "--rounds", "1",
+                      "--", "--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "256", "--heads", "4",
+                      "--vocab", "128", "--batch", "2", "--prompt", "8", "--steps", "2", "--warmup", "1")
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 1 |")]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [("1", "2"), ("0", "2")], out  # one process per value
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows), out
+    assert "median dense / twell per value and batch" in out, out
+
+
 def test_sparse_reuse():
     out = run_example("sparse_reuse.py", "--m", "512", "--hidden", "64", "--intermediate", "512", "--nnz", "8",
                       "--blocks", "1", "128", "512")
