@@ -24,6 +24,11 @@ SEQ2SEQ = dict(d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS, enc
 BERT_LIKE = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                  intermediate_size=INTERMEDIATE, hidden_act="relu")
 
+# Llama-like decoders: gated (Qwen3, Gemma, Granite, OLMo 2, StableLM, Cohere) or non-gated (GPT-NeoX, Phi,
+# Starcoder2) MLPs whose activation the config names.
+LLAMA_LIKE = dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                  intermediate_size=INTERMEDIATE, hidden_act="relu", **SMALL_VOCAB_TOKENS)
+
 # model_type -> (auto class, config arguments, MLP blocks in the model)
 ARCHITECTURES = {
     "bert": (AutoModel, BERT_LIKE, LAYERS),
@@ -50,6 +55,15 @@ ARCHITECTURES = {
                                             intermediate_size=INTERMEDIATE, hidden_act="relu", **SMALL_VOCAB_TOKENS), LAYERS),
     "biogpt": (AutoModelForCausalLM, dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                                           intermediate_size=INTERMEDIATE, hidden_act="relu", **SMALL_VOCAB_TOKENS), LAYERS),
+    **{model_type: (AutoModelForCausalLM, dict(LLAMA_LIKE, **extra), LAYERS) for model_type, extra in (
+        ("qwen3", dict(head_dim=HIDDEN // HEADS)),
+        ("gemma", dict(head_dim=HIDDEN // HEADS, hidden_activation="relu")),
+        ("granite", {}), ("olmo2", {}), ("stablelm", {}), ("cohere", {}), ("gpt_neox", {}), ("phi", {}),
+        ("starcoder2", {}))},
+    "falcon": (AutoModelForCausalLM, dict(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                          ffn_hidden_size=INTERMEDIATE, activation="relu", **SMALL_VOCAB_TOKENS), LAYERS),
+    "codegen": (AutoModelForCausalLM, dict(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=INTERMEDIATE, rotary_dim=4,
+                                           activation_function="relu", **SMALL_VOCAB_TOKENS), LAYERS),
 }
 
 
