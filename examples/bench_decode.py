@@ -38,6 +38,30 @@ def _time_ms(fn, device: str) -> float:
     return start.elapsed_time(end)
 
 
+def prefilled_decoder(model, step, prompt: torch.Tensor, tokens: torch.Tensor, device: str):
+    """A fresh static cache holding ``prompt`` (prefilled eagerly, by the uncompiled model: only the
+    steps are timed), and ``run(first, count)`` feeding ``tokens[:, first:first + count]`` one token a
+    step through ``step`` (``model.model`` compiled), returning the last step's hidden state. Each round
+    of steps needs its own cache: recent transformers' StaticCache counts the tokens written to it, so
+    it fills up."""
+    from transformers import StaticCache
+
+    batch, prompt_len = prompt.shape
+    cache = StaticCache(config=model.config, max_cache_len=prompt_len + tokens.shape[1])
+    positions = torch.arange(prompt_len + tokens.shape[1], device=device)
+    model.model(input_ids=prompt, past_key_values=cache, cache_position=positions[:prompt_len], use_cache=True)
+
+    def run(first: int, count: int):
+        out = None
+        for i in range(first, first + count):
+            pos = positions[prompt_len + i:prompt_len + i + 1]
+            out = step(input_ids=tokens[:, i:i + 1], past_key_values=cache, cache_position=pos,
+                       position_ids=pos.expand(batch, 1), use_cache=True).last_hidden_state
+        return out
+
+    return run
+
+
 def decode_run(model, backend: str, mode: str, prompt: torch.Tensor, tokens: torch.Tensor, warmup: int,
                rounds: int, device: str, profile_steps: int = 0) -> tuple[list[float], torch.Tensor, list]:
     """(ms per step of each timed round, the last hidden state after the prompt and all of ``tokens``
@@ -46,28 +70,10 @@ def decode_run(model, backend: str, mode: str, prompt: torch.Tensor, tokens: tor
 
     torch._dynamo.reset()
     step = torch.compile(model.model, backend=backend, mode=mode)
-    batch, prompt_len = prompt.shape
     steps = tokens.shape[1] - warmup
 
     def prefilled_round():
-        """A fresh static cache holding the prompt (prefilled eagerly: only the steps are timed), and
-        ``run(first, count)`` feeding it ``tokens[:, first:first + count]``. Each round needs its own
-        cache: recent transformers' StaticCache counts the tokens written to it, so it fills up."""
-        from transformers import StaticCache
-
-        cache = StaticCache(config=model.config, max_cache_len=prompt_len + tokens.shape[1])
-        positions = torch.arange(prompt_len + tokens.shape[1], device=device)
-        model.model(input_ids=prompt, past_key_values=cache, cache_position=positions[:prompt_len],
-                    use_cache=True)
-
-        def run(first: int, count: int):
-            out = None
-            for i in range(first, first + count):
-                pos = positions[prompt_len + i:prompt_len + i + 1]
-                out = step(input_ids=tokens[:, i:i + 1], past_key_values=cache, cache_position=pos,
-                           position_ids=pos.expand(batch, 1), use_cache=True).last_hidden_state
-            return out
-
+        run = prefilled_decoder(model, step, prompt, tokens, device)
         run(0, warmup)  # compiles (first round), records the CUDA graphs, warms the caches
         return run
 

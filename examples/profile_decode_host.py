@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from bench_decode import prefilled_decoder
 from bench_model import build_model
 
 
@@ -73,8 +74,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     args = parser.parse_args()
 
-    import twell_compile
-    from transformers import StaticCache
+    import twell_compile  # noqa: F401  (registers backend="twell")
     from twell_compile.kernels import twell_mlp as tm
     from twell_compile.kernels.density_route import ROUTER
 
@@ -88,21 +88,15 @@ def main() -> None:
                 torch._dynamo.reset()
                 torch._dynamo.utils.counters.clear()
                 step = torch.compile(model.model, backend=backend)
-                total = args.prompt + args.warmup + 2 * args.steps
-                cache = StaticCache(config=model.config, max_cache_len=total)
-                positions = torch.arange(total, device=args.device)
-                ids = torch.randint(0, args.vocab, (batch, total), device=args.device)
-                model.model(input_ids=ids[:, :args.prompt], past_key_values=cache,
-                            cache_position=positions[:args.prompt], use_cache=True)
-                fed = args.prompt
+                ids = torch.randint(0, args.vocab, (batch, args.prompt + args.warmup + 2 * args.steps),
+                                    device=args.device)
+                steps_run = prefilled_decoder(model, step, ids[:, :args.prompt], ids[:, args.prompt:], args.device)
+                fed = 0
 
                 def run(count):
                     nonlocal fed
-                    for _ in range(count):
-                        pos = positions[fed:fed + 1]
-                        step(input_ids=ids[:, fed:fed + 1], past_key_values=cache, cache_position=pos,
-                             position_ids=pos.expand(batch, 1), use_cache=True)
-                        fed += 1
+                    steps_run(fed, count)
+                    fed += count
 
                 run(args.warmup)
                 sync()
