@@ -109,4 +109,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("w_up"), pybind11::arg("b_up"), pybind11::arg("w_down"), pybind11::arg("w_down_t"),
         pybind11::arg("b_down"), pybind11::arg("w_up_sliced") = pybind11::none(),
         pybind11::arg("w_down_sliced") = pybind11::none());
+  m.def("grant_lease", &twell::grant_lease,
+        "Lets the layer of w_act serve its next `calls` calls of this shape in C++ (csrc/twell_fast_call.cpp): "
+        "the TwELL path with `plan` and w_down_t, or the cuBLAS route where plan is None, its served calls counted "
+        "under `tag`; whether it was granted",
+        pybind11::arg("x"), pybind11::arg("w_act"), pybind11::arg("b_act"), pybind11::arg("w_up"),
+        pybind11::arg("b_up"), pybind11::arg("w_down"), pybind11::arg("b_down"), pybind11::arg("plan"),
+        pybind11::arg("w_down_t"), pybind11::arg("calls"), pybind11::arg("tag") = -1);
+  m.def("take_served", &twell::take_served,
+        "(tag, calls served) of the lease of w_act's layer since last asked, the count then zeroed; (-1, 0) without one",
+        pybind11::arg("w_act"));
+  m.def("revoke_lease", &twell::revoke_lease, "Drops the lease of w_act's layer", pybind11::arg("w_act"));
+  m.def("revoke_all_leases", &twell::revoke_all_leases, "Drops every lease");
+  m.def("lease_calls_left", &twell::lease_calls_left, "Calls the lease of w_act's layer may still serve (-1: none)",
+        pybind11::arg("w_act"));
+  m.def("fast_mlp", &twell::fast_mlp,
+        "A twell MLP call served from its layer's lease: the output, or None where the lease does not cover it",
+        pybind11::arg("x"), pybind11::arg("w_act"), pybind11::arg("b_act"), pybind11::arg("w_up"),
+        pybind11::arg("b_up"), pybind11::arg("w_down"), pybind11::arg("b_down"));
 }

@@ -70,10 +70,6 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   const int64_t n_tiles = (F + plan.tile_n - 1) / plan.tile_n;
   const int64_t n_blocks = (M + kDecisionRows - 1) / kDecisionRows;
   const auto ints = x.options().dtype(at::kInt);
-  at::Tensor out = at::empty({M, D}, x.options());
-  at::Tensor packed = at::empty({M, n_tiles, plan.cap}, ints);
-  at::Tensor counts = at::empty({M, n_tiles}, ints);
-  at::Tensor dense = at::empty({M, F}, x.options());
   // One memset zeroes every counter of the call: the block totals (active units; row-tiles past
   // capacity), then the wgmma GEMMs' K-split arrivals (gate, gate times up, down), then the chunked
   // kernel's counters (heavy rows it lists, blocks it first finds dense).
@@ -86,11 +82,24 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
   // Decode calls whose kernels all read the decode gate's per-CTA pairs (dense_block_test.cuh) have
   // nothing else to zero: no memset before the gate, and the sparse kernel writes the block totals.
   // (Such a call has no K-split or chunked counters: its only counters are the block totals.) The
-  // pairs take the same allocation, after the counters, which leaves them 8-byte aligned.
+  // pairs follow the counters in the same buffer, which leaves them 8-byte aligned.
   const bool parts_only = plan.decode_gate && plan.decode_dense && plan.gate_parts && !plan.chunked;
   TORCH_INTERNAL_ASSERT(!parts_only || n_counters == 2 * n_blocks);
   const int64_t n_parts = parts_only ? 2 * kGatePartsPerTile * n_tiles : 0;
-  const at::Tensor work = at::empty({n_counters + n_parts}, ints);
+  // The output, and one allocation carved into every other buffer of the call (the dense backup, the
+  // packed activation, its counts, the counters): at decode sizes each allocation is host time.
+  at::Tensor out = at::empty({M, D}, x.options());
+  const auto padded = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };  // each part 256-byte aligned
+  const int64_t dense_bytes = M * F * x.element_size();
+  const int64_t packed_at = padded(dense_bytes);
+  const int64_t counts_at = packed_at + padded(M * n_tiles * plan.cap * 4);
+  const int64_t work_at = counts_at + padded(M * n_tiles * 4);
+  const at::Tensor buffer = at::empty({work_at + (n_counters + n_parts) * 4}, x.options().dtype(at::kByte));
+  const auto part = [&](int64_t at, int64_t bytes, c10::ScalarType type) { return buffer.narrow(0, at, bytes).view(type); };
+  at::Tensor dense = part(0, dense_bytes, x.scalar_type()).view({M, F});
+  at::Tensor packed = part(packed_at, M * n_tiles * plan.cap * 4, at::kInt).view({M, n_tiles, plan.cap});
+  at::Tensor counts = part(counts_at, M * n_tiles * 4, at::kInt).view({M, n_tiles});
+  const at::Tensor work = part(work_at, (n_counters + n_parts) * 4, at::kInt);
   at::Tensor zeroed = work.narrow(0, 0, n_counters);
   c10::optional<at::Tensor> gate_parts;
   if (parts_only) {

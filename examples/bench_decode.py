@@ -38,6 +38,17 @@ def _time_ms(fn, device: str) -> float:
     return start.elapsed_time(end)
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The decode scripts' model and device options (``build_model``'s arguments): the 2B shape on CUDA."""
+    parser.add_argument("--layers", type=int, default=38)
+    parser.add_argument("--nnz", type=float, default=24.0, help="active units per token the gate biases aim at")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=5632)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--device", default="cuda")
+
+
 def prefilled_decoder(model, step, prompt: torch.Tensor, tokens: torch.Tensor, device: str):
     """A fresh static cache holding ``prompt`` (prefilled eagerly, by the uncompiled model: only the
     steps are timed), and ``run(first, count)`` feeding ``tokens[:, first:first + count]`` one token a
@@ -108,13 +119,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8, help="untimed decode steps before them")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mode", default="reduce-overhead")
-    parser.add_argument("--layers", type=int, default=38)
-    parser.add_argument("--nnz", type=float, default=24.0, help="active units per token the gate biases aim at")
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=5632)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--device", default="cuda")
+    add_model_arguments(parser)
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="also print each backend's GPU time per kernel over this many steps (CUDA only)")
     args = parser.parse_args()

@@ -5,8 +5,10 @@
 Without CUDA graphs (eager, or torch.compile's default mode) a decode-sized call is paced by the host:
 this times back-to-back calls with no sync between them, so the GPU work overlaps and what is left is
 the host's. Each line gives microseconds per call, host time (the loop) / total (after the final
-sync), for the dense MLP and the op (twice, alternating, to show drift), the op's CUDA implementation
-without the dispatcher (``twell_mlp``), and its one host call alone (``mlp_forward``).
+sync), for the dense MLP and the op (twice, alternating, to show drift; ``op`` serves repeat calls from
+the layer's lease, ``op_no_lease`` runs each through the Python path), the lease's C++ call alone
+(``fast_mlp``), the op's CUDA implementation without the dispatcher (``twell_mlp``), and its one host
+call alone (``mlp_forward``).
 
 Without a GPU (or with ``--cpu``) it times what does not depend on one: the op's dispatch and input
 checks, as the op's time minus that of its reference kernel called directly, on tiny CPU tensors
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 
 import twell_compile  # noqa: F401
 from twell_compile import kernels
-from twell_compile.testing import make_problem
+from twell_compile.testing import kernel_config, make_problem
 
 
 def host_time_us(fn, calls: int = 1000) -> tuple[float, float]:
@@ -93,6 +95,11 @@ def main() -> None:
             times[f"dense{rep}"] = host_time_us(lambda: F.linear(F.relu(F.linear(x, wg)) * F.linear(x, wu), wd),
                                                 args.calls)
             times[f"op{rep}"] = host_time_us(lambda: op(x, wg, wu, wd), args.calls)
+            with kernel_config(fast_calls=False):  # every call on the Python path (no lease)
+                times[f"op_no_lease{rep}"] = host_time_us(lambda: op(x, wg, wu, wd), args.calls)
+        with kernel_config(route_by_density=False):  # a lease without the router's limit, to time it alone
+            op(x, wg, wu, wd)
+            times["fast_mlp"] = host_time_us(lambda: ext.fast_mlp(x, wg, None, wu, None, wd, None), args.calls)
         times["twell_mlp"] = host_time_us(lambda: twell_mlp.twell_mlp(x, wg, None, wu, None, wd, None), args.calls)
         plan = twell_mlp.call_plan(m, f, k, x.device)
         if plan.cuda is not None:

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from bench_decode import prefilled_decoder
+from bench_decode import add_model_arguments, prefilled_decoder
 from bench_model import build_model
 
 
@@ -63,15 +63,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=38)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--top", type=int, default=30, help="functions cProfile lists (0: no profile)")
-    parser.add_argument("--nnz", type=float, default=24.0, help="active units per token the gate biases aim at")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=5632)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_arguments(parser)
     args = parser.parse_args()
 
     import twell_compile  # noqa: F401  (registers backend="twell")

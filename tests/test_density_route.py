@@ -171,6 +171,9 @@ class _RecordingExtension:
         self.calls.append("mlp_forward")
         return None
 
+    def take_served(self, weight):  # leases granted through the stand-in serve nothing
+        return (-1, 0)
+
     def cublas_mlp(self, x, w_act, *args):
         self.calls.append("cublas_mlp")
         return x.new_empty(x.shape[0], args[-2].shape[0]), x.new_zeros(x.shape[0], w_act.shape[0])
@@ -313,3 +316,52 @@ def test_reports_of_thin_wave_calls_count_blocks_by_the_route_test(recording_ext
     other = torch.randn(f, k, dtype=torch.bfloat16)  # a second layer, reporting from the cuBLAS route
     twell_mlp._cublas_mlp(x, other, None, other, None, down, None, report=twell_mlp.call_plan(m, f, k, x.device))
     assert twell_mlp.ROUTER.share(other, "small") == expected
+
+
+def test_a_lease_covers_the_calls_before_the_next_report():
+    """``lease_calls`` (kernels/leases.py): after its first reports, a layer's calls may skip the router up
+    to the next call due to report; counted afterwards (``count_calls``), the call after them reports as
+    ``decide`` would have had it."""
+    router, weight = DensityRouter(), torch.randn(8, 4)
+    assert router.lease_calls(weight, "small", 8) == 0  # an unknown layer
+    assert router.decide(weight, "small", 8, 1024) == (False, True)
+    assert router.lease_calls(weight, "small", 8) == 0  # its second call is due to report too
+    assert router.decide(weight, "small", 8, 1024) == (False, True)
+    assert router.lease_calls(weight, "small", 8) == 6  # calls 2-7
+    router.count_calls(weight, "small", 6)
+    assert router.lease_calls(weight, "small", 8) == 0  # call 8 is next, and reports
+    assert router.decide(weight, "small", 8, 1024) == (False, True)
+    assert router.decide(weight, "small", 8, 1024) == (False, False)
+    assert router.lease_calls(weight, "small", 8) == 6  # calls 10-15
+    router.count_calls(weight, "small", 2)  # a lease that served only two of them
+    assert router.lease_calls(weight, "small", 8) == 4
+    assert router.lease_calls(weight, "decode", 8) == 0  # classes apart
+    router.count_calls(weight, "decode", 5)  # nothing to count them in
+    router.count_calls(torch.randn(8, 4), "small", 5)
+
+
+def test_no_lease_while_reports_are_in_flight():
+    router, weight = DensityRouter(), torch.randn(8, 4)
+    router._words = words = _ReportWords(1, pinned=False)
+    for _ in range(3):
+        router.decide(weight, "small", 8, 1024)
+    router._layer(weight, create=False).pending.append(("small", words.take(), 8))
+    assert router.lease_calls(weight, "small", 8) == 0
+    words.tensor.fill_(0)  # landed; the next decide reads it
+    router.decide(weight, "small", 8, 1024)
+    assert router.lease_calls(weight, "small", 8) == 4
+
+
+def test_reports_and_clearing_revoke_leases(monkeypatch):
+    from twell_compile.kernels import leases
+
+    revoked = []
+    monkeypatch.setattr(leases, "revoke", lambda weight: revoked.append(weight))
+    monkeypatch.setattr(leases, "revoke_all", lambda: revoked.append("all"))
+    router, weight = DensityRouter(), torch.randn(8, 4)
+    _report(router, weight, "small", 1)
+    assert revoked == [weight]
+    router.clear()
+    assert revoked[-1] == "all"
+    twell_mlp.config.route_report_every = twell_mlp.config.route_report_every  # any setting
+    assert revoked[-1] == "all" and len(revoked) == 3

@@ -80,6 +80,17 @@ def test_ab_decode_processes_on_cpu():
     assert "median dense / twell per value and batch" in out, out
 
 
+def test_ab_decode_leases_on_cpu():
+    out = run_example("ab_decode_leases.py", "--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "256",
+                      "--heads", "4", "--vocab", "128", "--batch", "2", "--prompt", "8", "--steps", "2", "--warmup", "1",
+                      "--rounds", "2")
+    rows = {line[7:25].strip(): line for line in out.splitlines() if line.startswith("    2  ")}
+    assert set(rows) == {"dense", "twell, leases", "twell, no leases"}, out
+    assert "1.000x" in rows["dense"], out
+    assert out.count("batch 2 twell, leases:") == 2 and out.count("batch 2 twell, no leases:") == 2, out
+    assert "batch 2: dynamo frames {'total': 2, 'ok': 2} recompiles {}" in out, out  # both compiled, side by side
+
+
 def test_sparse_reuse():
     out = run_example("sparse_reuse.py", "--m", "512", "--hidden", "64", "--intermediate", "512", "--nnz", "8",
                       "--blocks", "1", "128", "512")

@@ -4,6 +4,7 @@ numbers are what decides where every output row is computed."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from twell_compile.kernels import twell_mlp
@@ -299,13 +300,14 @@ def test_step_by_step_path_launches_what_the_one_call_path_launches(monkeypatch)
         out = twell_mlp.twell_mlp(x, weight, None, weight if gated else None, None, down, None)
         assert out.shape == (m, 32)
         assert calls == ["mlp_forward", *kernels], (m, gated)
-    # With the default cuBLAS rows, M = 300 is one call to the dense MLP through cuBLAS, and nothing else.
+    # With the default cuBLAS rows, M = 300 is one call to the dense MLP through cuBLAS, then the layer's
+    # lease for its next calls of that size (kernels/leases.py), and nothing else.
     monkeypatch.setattr(twell_mlp.config, "cublas_rows", twell_mlp.KernelConfig().cublas_rows)
     for gated in (True, False):
         calls.clear()
         out = twell_mlp.twell_mlp(torch.randn(300, 32, dtype=torch.bfloat16), weight, None, weight if gated else None,
                                   None, down, None)
-        assert out.shape == (300, 32) and calls == ["cublas_mlp"], gated
+        assert out.shape == (300, 32) and calls == ["cublas_mlp", "grant_lease"], gated
 
 
 def test_cublas_rows_are_a_host_side_choice_by_row_count(monkeypatch):
@@ -378,3 +380,32 @@ def test_gate_runs_ping_pong_in_single_ctas_where_its_waves_waste_less(monkeypat
     monkeypatch.setattr(twell_mlp.config, "gate_pingpong_rows", twell_mlp._auto_or_row_range("0"))
     monkeypatch.setattr(twell_mlp, "_PLANS", {})
     assert gate(1024) == default
+
+
+def test_the_cuda_kernel_offers_each_call_to_its_lease_first(monkeypatch):
+    """ops.py's CUDA kernels give a call to ``leases.FAST_MLP`` first (the C++ lease table,
+    csrc/twell_fast_call.cpp), with the act weight, its bias, up weight and bias, down weight and bias;
+    None there (no lease covers it) falls through to the checked Python path, and so does every call
+    made while a sparsity recorder is active (the recorder must see it)."""
+    from twell_compile import ops, record_sparsity, reference
+    from twell_compile.kernels import leases
+
+    offered = []
+    served = torch.full((2, 4), 7.0)
+
+    def fast_mlp(*args):
+        offered.append(args)
+        return served if len(offered) == 1 else None
+
+    monkeypatch.setattr(leases, "FAST_MLP", fast_mlp)
+    x, gate, up, down = torch.randn(2, 8), torch.randn(16, 8), torch.randn(16, 8), torch.randn(4, 16)
+    assert ops._gated_cuda(x, gate, up, down) is served
+    assert offered[0] == (x, gate, None, up, None, down, None)
+    torch.testing.assert_close(ops._gated_cuda(x, gate, up, down), reference.gated_relu_mlp(x, gate, up, down))
+    torch.testing.assert_close(ops._relu_cuda(x, up, down), reference.relu_mlp(x, up, down))
+    assert offered[2] == (x, up, None, None, None, down, None)
+    with record_sparsity():
+        ops._gated_cuda(x, gate, up, down)
+    assert len(offered) == 3
+    with pytest.raises(ValueError, match="down_weight"):
+        ops._gated_cuda(x, gate, up, torch.randn(4, 15))  # not covered: the Python path's checks run

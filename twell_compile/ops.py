@@ -17,7 +17,9 @@ wrapper around the device kernel (keyword handling, an aliasing check of every r
 an eager call is paced by the host, and that wrapper cost 2-3 us a call on a CPU
 (``examples/bench_host_time.py --cpu``). What it checked is tested instead (fresh outputs, opcheck).
 For the same reason the Autograd key's kernel (``autograd_kernel.py``) calls the device kernel directly
-when no gradient is needed, where ``register_autograd``'s would redispatch to it.
+when no gradient is needed, where ``register_autograd``'s would redispatch to it, and the CUDA kernel
+offers each call to its layer's lease first (``kernels/leases.py``): a repeat call of one size then runs
+in C++ with no more Python than this module's frame.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import kernels, reference
+from . import kernels, reference, stats
+from .kernels import leases
 from .autograd_kernel import register_autograd_kernel
 from .validation import check_gated, check_non_gated, fast_check_gated, fast_check_non_gated
 
@@ -64,6 +67,11 @@ def _gated_reference(x, gate_weight, up_weight, down_weight, gate_bias=None, up_
 
 
 def _gated_cuda(x, gate_weight, up_weight, down_weight, gate_bias=None, up_bias=None, down_bias=None):
+    fast = leases.FAST_MLP  # a repeat call its layer's lease covers runs in C++ (kernels/leases.py)
+    if fast is not None and stats.active_recorder() is None:
+        out = fast(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
+        if out is not None:
+            return out
     fast_check_gated(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
     return kernels.cuda_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
 
@@ -106,6 +114,11 @@ def _relu_reference(x, up_weight, down_weight, up_bias=None, down_bias=None):
 
 
 def _relu_cuda(x, up_weight, down_weight, up_bias=None, down_bias=None):
+    fast = leases.FAST_MLP
+    if fast is not None and stats.active_recorder() is None:
+        out = fast(x, up_weight, up_bias, None, None, down_weight, down_bias)
+        if out is not None:
+            return out
     fast_check_non_gated(x, up_weight, down_weight, up_bias, down_bias)
     return kernels.cuda_relu_mlp(x, up_weight, down_weight, up_bias, down_bias)
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("twell_ext.cpp", "twell_mlp_forward.cpp", "twell_sparse_mlp.cu", "twell_sparse_chunked.cu", "twell_gemm.cu",
-            "twell_decode_gemv.cu", "twell_gate_rebuild.cu", "twell_heavy_rows.cu",
-            "twell_cublas_mlp.cu")
+_SOURCES = ("twell_ext.cpp", "twell_mlp_forward.cpp", "twell_fast_call.cpp", "twell_sparse_mlp.cu",
+            "twell_sparse_chunked.cu", "twell_gemm.cu", "twell_decode_gemv.cu", "twell_gate_rebuild.cu",
+            "twell_heavy_rows.cu", "twell_cublas_mlp.cu")
 _HEADERS = ("twell_entries.h", "hopper_ptx.cuh", "dense_block_test.cuh", "dtype16.cuh", "cluster_launch.cuh",
             "backup_tile.cuh")
 _MODULE = "twell_cuda"

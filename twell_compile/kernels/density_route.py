@@ -53,6 +53,7 @@ from collections import OrderedDict
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from . import leases
 from .weight_cache import weight_key
 
 ENTER_SHARES = ((1024, 0.05), (2048, 0.06), (4096, 0.30), (8192, 0.55), (16384, 0.75))
@@ -183,10 +184,35 @@ class DensityRouter:
             wants = calls < FIRST_REPORTS or calls % max(report_every, 1) == 0
             return state.cublas, wants and len(layer.pending) < MAX_PENDING
 
+    def lease_calls(self, weight: torch.Tensor, size_class: str, report_every: int) -> int:
+        """How many of this layer's next calls of the class may take the route ``decide`` gave its last call
+        without asking (``leases.py``): none while its reports are in flight (they may change the route) or
+        while a report is due next; else the calls before the next one due to report. Their route cannot
+        change meanwhile: only a report moves the share. The calls a lease serves are added later
+        (``count_calls``)."""
+        with self._lock:
+            layer = self._layer(weight, create=False)
+            if layer is None or layer.pending:
+                return 0
+            state = layer.classes.get(size_class)
+            if state is None or state.calls < FIRST_REPORTS:
+                return 0
+            every = max(report_every, 1)
+            return -(-state.calls // every) * every - state.calls  # up to decide's next call with calls % every == 0
+
+    def count_calls(self, weight: torch.Tensor, size_class: str, calls: int) -> None:
+        """Counts ``calls`` calls of the class that a lease served without asking (``leases.py``)."""
+        with self._lock:
+            layer = self._layer(weight, create=False)
+            state = None if layer is None else layer.classes.get(size_class)
+            if state is not None:
+                state.calls += calls
+
     def report(self, weight: torch.Tensor, size_class: str, dense_blocks: torch.Tensor, blocks: int) -> None:
         """A call's count of dense blocks (a 0-d integer tensor on the call's device) out of ``blocks``.
         On a CUDA device it is copied on the current stream and read at a later call, once landed;
-        elsewhere it is read at once."""
+        elsewhere it is read at once. The layer's lease, if any, is revoked: its route may change."""
+        leases.revoke(weight)
         if blocks <= 0:
             return
         if not dense_blocks.is_cuda:
@@ -220,6 +246,7 @@ class DensityRouter:
         with self._lock:
             for key in list(self._layers):
                 self._drop(key)
+        leases.revoke_all()
 
     def __len__(self) -> int:
         return len(self._layers)

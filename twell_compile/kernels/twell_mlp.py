@@ -26,7 +26,9 @@ With contiguous operands whose rows are 16-byte aligned (the usual case), all of
 ``mlp_forward`` (``csrc/twell_mlp_forward.cpp``), with the launch choices taken from a plan cached per
 shape (``call_plan``): at decode sizes the host, not the GPU, sets the pace of an eager call, and the
 step-by-step path below (``_twell_mlp_general``, which serves every other case) spent most of its time
-in Python. The two make the same choices and agree bit for bit (tests/test_cuda_kernels.py).
+in Python. The two make the same choices and agree bit for bit (tests/test_cuda_kernels.py). After a
+call, ``_grant_lease`` may let its layer's next calls of the same size skip this module altogether
+(``leases.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import stats
-from . import build, triton_kernels
+from . import build, leases, triton_kernels
 from .density_route import ROUTER
 from .weight_cache import DOWN_WEIGHT_SLICED, DOWN_WEIGHT_T, UP_WEIGHT_SLICED
 
@@ -254,13 +256,19 @@ class KernelConfig:
     less time at 1-16 rows, uniform or skewed, and 3.8-4.7% at 32; bit for bit the same outputs.
     Larger calls are launched plainly: there it measured 1.4-5.3% slower at 1024-16384 rows and level
     at 131072. Off: every launch plain."""
+    fast_calls: bool = os.environ.get("TWELL_FAST_CALLS", "1") != "0"
+    """After a call has taken the Python path, let its layer's next calls of the same size be served in C++
+    from a lease of that call's choices (``leases.py``, ``csrc/twell_fast_call.cpp``): the same kernels and
+    bits with less host time, which paces decode-sized calls without CUDA graphs. Off: every call runs
+    the Python path."""
     poison_buffers: bool = False
     """Tests: fill the output and work buffers with NaN/garbage instead of leaving them uninitialised,
     so any element a kernel fails to write shows up."""
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
-        _PLANS.clear()  # plans are derived from the settings
+        _PLANS.clear()  # plans are derived from the settings, and so are the leases
+        leases.revoke_all()
 
 
 config = KernelConfig()
@@ -708,22 +716,30 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
         return x.new_empty((*x.shape[:-1], d))
     plan = call_plan(m, f, d, x2.device)
     if plan.cublas:
-        return _cublas_mlp(x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias).view(*x.shape[:-1], d)
+        out = _cublas_mlp(x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias)
+        _grant_lease(plan, x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias, None)
+        return out.view(*x.shape[:-1], d)
     routed = report = False
     if plan.route_class is not None and config.route_by_density:
+        if leases.FAST_MLP is not None:
+            _count_lease_calls(act_weight)
         routed, report = ROUTER.decide(act_weight, plan.route_class, config.route_report_every, m)
     if routed:
         out = _cublas_mlp(x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias,
                           report=plan if report else None)
+        if not report:
+            _grant_lease(plan, x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias, None)
         return out.view(*x.shape[:-1], d)
     result = None
     if plan.cuda is not None:
         # One host call for everything (the common case: aligned, contiguous operands); None if it
         # declines the operands, before doing anything.
         up_sliced, down_sliced = _sliced_weights(plan, up_weight, down_weight, k, d)
+        down_t = DOWN_WEIGHT_T.get(down_weight)
         result = build.cuda_extension().mlp_forward(plan.cuda, x2, act_weight, act_bias, up_weight, up_bias,
-                                                    down_weight, DOWN_WEIGHT_T.get(down_weight), down_bias,
-                                                    up_sliced, down_sliced)
+                                                    down_weight, down_t, down_bias, up_sliced, down_sliced)
+        if result is not None and not report and not plan.cuda.chunked:
+            _grant_lease(plan, x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias, down_t)
     if result is not None:
         out, counts, block_nnz = result
         thresholds, cap = plan.thresholds, plan.gate.cap
@@ -741,6 +757,35 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
             recorder.add("gated_relu_mlp" if gated else "relu_mlp", counts.sum(1), f,
                          overflow_rows=(counts > cap).any(1), block_dense=dense_blocks, path="twell")
     return out.view(*x.shape[:-1], d)
+
+
+def _grant_lease(plan: CallPlan, x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight: Tensor | None,
+                 up_bias: Tensor | None, down_weight: Tensor, down_bias: Tensor | None, down_t: Tensor | None) -> None:
+    """After a call that made no density report: lets its layer's next calls of its size take the same
+    route in C++ (``leases.py``): the TwELL path of ``plan`` with ``down_t``, or where that is None the
+    cuBLAS route. Calls the density router watches get a lease only up to their next report."""
+    if not config.fast_calls:
+        return
+    calls = leases.UNLIMITED
+    if plan.route_class is not None and config.route_by_density:
+        calls = ROUTER.lease_calls(act_weight, plan.route_class, config.route_report_every)
+        if calls <= 0:
+            return
+    leases.grant(x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias,
+                 None if down_t is None else plan.cuda, down_t, calls, _ROUTE_TAGS.get(plan.route_class, -1))
+
+
+# Size classes by the tag their leases count served calls under (leases.take_served).
+_ROUTE_CLASSES = ("decode", "small", "large")
+_ROUTE_TAGS = {name: tag for tag, name in enumerate(_ROUTE_CLASSES)}
+
+
+def _count_lease_calls(act_weight: Tensor) -> None:
+    """Adds the calls the layer's lease served since its last Python-path call to the router's count, so
+    that its reports come when they are due."""
+    tag, served = leases.take_served(act_weight)
+    if served > 0 and tag >= 0:
+        ROUTER.count_calls(act_weight, _ROUTE_CLASSES[tag], served)
 
 
 def _activation_dense_blocks(active: Tensor, thresholds: tuple[int, int, int], cap: int, tile_n: int) -> Tensor:

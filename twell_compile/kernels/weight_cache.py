@@ -26,6 +26,8 @@ from collections import OrderedDict
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from . import leases
+
 _MAX_ENTRIES = 1024
 
 
@@ -151,6 +153,7 @@ class DerivedWeightCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+        leases.revoke_all()  # they hold derived weights too
 
     def __len__(self) -> int:
         return len(self._entries)
