@@ -7,8 +7,8 @@ this times back-to-back calls with no sync between them, so the GPU work overlap
 the host's. Each line gives microseconds per call, host time (the loop) / total (after the final
 sync), for the dense MLP and the op (twice, alternating, to show drift; ``op`` serves repeat calls from
 the layer's lease, ``op_no_lease`` runs each through the Python path), the lease's C++ call alone
-(``fast_mlp``), the op's CUDA implementation without the dispatcher (``twell_mlp``), and its one host
-call alone (``mlp_forward``).
+(``fast_mlp``), the op's CUDA implementation without the dispatcher and without leases (``twell_mlp``),
+and its one host call alone (``mlp_forward``).
 
 Without a GPU (or with ``--cpu``) it times what does not depend on one: the op's dispatch and input
 checks, as the op's time minus that of its reference kernel called directly, on tiny CPU tensors
@@ -100,7 +100,8 @@ def main() -> None:
         with kernel_config(route_by_density=False):  # a lease without the router's limit, to time it alone
             op(x, wg, wu, wd)
             times["fast_mlp"] = host_time_us(lambda: ext.fast_mlp(x, wg, None, wu, None, wd, None), args.calls)
-        times["twell_mlp"] = host_time_us(lambda: twell_mlp.twell_mlp(x, wg, None, wu, None, wd, None), args.calls)
+        with kernel_config(fast_calls=False):  # the Python path alone, without a grant after every call
+            times["twell_mlp"] = host_time_us(lambda: twell_mlp.twell_mlp(x, wg, None, wu, None, wd, None), args.calls)
         plan = twell_mlp.call_plan(m, f, k, x.device)
         if plan.cuda is not None:
             w_down_t = twell_mlp.DOWN_WEIGHT_T.get(wd)

@@ -99,6 +99,15 @@ def enter_share(rows: int, size_class: str) -> float:
 
 FIRST_REPORTS = 2
 """Calls of a class that always report, so that a new layer's route settles within a few calls."""
+
+
+def next_report_call(calls: int, report_every: int) -> int:
+    """The number of the first call from call ``calls`` on (calls of a class counted from 0) that reports:
+    the first ``FIRST_REPORTS``, then one in ``report_every``."""
+    if calls < FIRST_REPORTS:
+        return calls
+    every = max(report_every, 1)
+    return -(-calls // every) * every
 MAX_PENDING = 4
 """Reports in flight per layer; past it a call makes none (the GPU is far behind the host)."""
 CAPTURE_WAIT_S = 2.0
@@ -181,7 +190,7 @@ class DensityRouter:
             if capturing:
                 return state.cublas, False
             calls, state.calls = state.calls, state.calls + 1
-            wants = calls < FIRST_REPORTS or calls % max(report_every, 1) == 0
+            wants = next_report_call(calls, report_every) == calls
             return state.cublas, wants and len(layer.pending) < MAX_PENDING
 
     def lease_calls(self, weight: torch.Tensor, size_class: str, report_every: int) -> int:
@@ -195,10 +204,7 @@ class DensityRouter:
             if layer is None or layer.pending:
                 return 0
             state = layer.classes.get(size_class)
-            if state is None or state.calls < FIRST_REPORTS:
-                return 0
-            every = max(report_every, 1)
-            return -(-state.calls // every) * every - state.calls  # up to decide's next call with calls % every == 0
+            return 0 if state is None else next_report_call(state.calls, report_every) - state.calls
 
     def count_calls(self, weight: torch.Tensor, size_class: str, calls: int) -> None:
         """Counts ``calls`` calls of the class that a lease served without asking (``leases.py``)."""

@@ -764,8 +764,8 @@ def _grant_lease(plan: CallPlan, x2: Tensor, act_weight: Tensor, act_bias: Tenso
     """After a call that made no density report: lets its layer's next calls of its size take the same
     route in C++ (``leases.py``): the TwELL path of ``plan`` with ``down_t``, or where that is None the
     cuBLAS route. Calls the density router watches get a lease only up to their next report."""
-    if not config.fast_calls:
-        return
+    if not config.fast_calls or stats.active_recorder() is not None:
+        return  # (calls made while recording are never served from a lease: ops.py)
     calls = leases.UNLIMITED
     if plan.route_class is not None and config.route_by_density:
         calls = ROUTER.lease_calls(act_weight, plan.route_class, config.route_report_every)
