@@ -205,14 +205,15 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> mlp_forward(
 // call made. grant_lease records them (plan: the TwELL path's, with W_down^T; none: the cuBLAS route)
 // for `calls` more calls on the current stream, and returns whether it did (never under capture, for
 // inference-tensor weights, or with x's device not current). fast_mlp serves a call from its layer's
-// lease and returns its output, or None when the lease does not cover it exactly. take_served returns
-// the lease's `tag` (the caller's, -1 without a lease) and the calls it served since last asked.
+// lease and returns its output, or None when the lease does not cover it exactly. end_lease ends the
+// layer's lease (each call on the Python path does) and returns its `tag` (the caller's, -1 without a
+// lease) and the calls it served.
 bool grant_lease(const at::Tensor& x, const at::Tensor& w_act, const c10::optional<at::Tensor>& b_act,
                  const c10::optional<at::Tensor>& w_up, const c10::optional<at::Tensor>& b_up,
                  const at::Tensor& w_down, const c10::optional<at::Tensor>& b_down,
                  const c10::optional<MlpPlan>& plan, const c10::optional<at::Tensor>& w_down_t, int64_t calls,
                  int64_t tag);
-std::tuple<int64_t, int64_t> take_served(const at::Tensor& w_act);
+std::tuple<int64_t, int64_t> end_lease(const at::Tensor& w_act);
 void revoke_lease(const at::Tensor& w_act);
 void revoke_all_leases();
 int64_t lease_calls_left(const at::Tensor& w_act);  // -1: no lease

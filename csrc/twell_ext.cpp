@@ -116,9 +116,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("w_act"), pybind11::arg("b_act"), pybind11::arg("w_up"),
         pybind11::arg("b_up"), pybind11::arg("w_down"), pybind11::arg("b_down"), pybind11::arg("plan"),
         pybind11::arg("w_down_t"), pybind11::arg("calls"), pybind11::arg("tag") = -1);
-  m.def("take_served", &twell::take_served,
-        "(tag, calls served) of the lease of w_act's layer since last asked, the count then zeroed; (-1, 0) without one",
-        pybind11::arg("w_act"));
+  m.def("end_lease", &twell::end_lease,
+        "Ends the lease of w_act's layer: (tag, calls it served); (-1, 0) without one", pybind11::arg("w_act"));
   m.def("revoke_lease", &twell::revoke_lease, "Drops the lease of w_act's layer", pybind11::arg("w_act"));
   m.def("revoke_all_leases", &twell::revoke_all_leases, "Drops every lease");
   m.def("lease_calls_left", &twell::lease_calls_left, "Calls the lease of w_act's layer may still serve (-1: none)",

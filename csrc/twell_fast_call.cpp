@@ -11,8 +11,12 @@
 // operand is the one the lease was granted for (same data, sizes, strides, dtype and device; the
 // weights' storages alive, W_down's version unchanged) and the call is on the granting stream, not
 // under capture; anything else returns None and the call takes the Python path, which checks and
-// raises as always. Python revokes leases whenever what they were derived from may change: the
-// settings, the router's state, the weight caches.
+// raises as always. That call ends the layer's lease first (end_lease), taking its count of served
+// calls, and may grant a new one: a lease never outlives a call it did not serve, which the router
+// counted and which may have changed the layer's route. Python also revokes leases whenever what they
+// were derived from may change: the settings, the router's state, the weight caches.
+// A lease that finds W_down changed, or whose call mlp_forward declines, is spent, not erased: it
+// serves no more calls and lets its W_down^T go, but keeps its count of served calls for end_lease.
 //
 // A lease is keyed by its activated projection's weight (the gate's, or the up projection's when not
 // gated), as the router keys its layers: the storage's data pointer, with a weak reference to the
@@ -76,6 +80,7 @@ StorageRef storage_ref(const at::Tensor& t) { return StorageRef(t.storage().getW
 struct Lease {
   std::optional<StorageRef> act_ref, up_ref, down_ref;
   OperandSignature act, act_bias, up, up_bias, down, down_bias;
+  std::optional<c10::VariableVersion> down_counter;  // W_down's version counter (shared with the tensor)
   uint32_t down_version = 0;
   int64_t rows = 0, K = 0, D = 0;
   c10::ScalarType dtype = at::kBFloat16;
@@ -86,10 +91,17 @@ struct Lease {
   at::Tensor down_t;  // W_down^T, as the weight cache made it (the TwELL path)
   int64_t calls_left = 0;
   int64_t tag = -1;    // the caller's name for what counts the calls (the density router's size class)
-  int64_t served = 0;  // calls served since the caller last took the count (take_served)
+  int64_t served = 0;  // calls served (end_lease hands the count to the caller)
 
   bool alive() const {
     return !act_ref->expired() && (!up_ref.has_value() || !up_ref->expired()) && !down_ref->expired();
+  }
+  // W_down changed in place since the grant (its W_down^T would be stale).
+  bool stale() const { return down_counter->current_version() != down_version; }
+  // Serves no more calls, and lets its W_down^T go; its served count stays for end_lease.
+  void spend() {
+    calls_left = 0;
+    down_t = at::Tensor();
   }
 };
 
@@ -127,7 +139,8 @@ bool grant_lease(const at::Tensor& x, const at::Tensor& w_act, const c10::option
   lease.up_bias = OperandSignature::of(b_up);
   lease.down = OperandSignature::of(w_down);
   lease.down_bias = OperandSignature::of(b_down);
-  lease.down_version = version_of(w_down);
+  lease.down_counter = w_down.unsafeGetTensorImpl()->version_counter();
+  lease.down_version = lease.down_counter->current_version();
   lease.K = x.size(-1);
   lease.rows = x.numel() / lease.K;
   lease.D = w_down.size(0);
@@ -143,9 +156,15 @@ bool grant_lease(const at::Tensor& x, const at::Tensor& w_act, const c10::option
   lease.tag = tag;
   const std::lock_guard<std::mutex> lock(leases_mutex);
   // A lease holds its W_down^T: those of layers whose weights are gone (a model deleted) are dropped at
-  // every grant, as the weight caches drop theirs at every fill, so they do not outlive the next one.
+  // every grant, as the weight caches drop theirs at every fill, so they do not outlive the next one;
+  // those whose W_down changed in place (a training step) are spent, which lets the stale copy go.
   for (auto it = leases.begin(); it != leases.end();) {
-    it = it->second.alive() ? std::next(it) : leases.erase(it);
+    if (!it->second.alive()) {
+      it = leases.erase(it);
+      continue;
+    }
+    if (it->second.stale()) it->second.spend();
+    ++it;
   }
   if (leases.size() >= kMaxLeases) leases.clear();
   leases.insert_or_assign(w_act.data_ptr(), std::move(lease));
@@ -162,13 +181,13 @@ void revoke_all_leases() {
   leases.clear();
 }
 
-std::tuple<int64_t, int64_t> take_served(const at::Tensor& w_act) {
+std::tuple<int64_t, int64_t> end_lease(const at::Tensor& w_act) {
   const std::lock_guard<std::mutex> lock(leases_mutex);
   const auto it = leases.find(w_act.data_ptr());
   if (it == leases.end()) return {-1, 0};
-  const int64_t served = it->second.served;
-  it->second.served = 0;
-  return {it->second.tag, served};
+  const std::tuple<int64_t, int64_t> count{it->second.tag, it->second.served};
+  leases.erase(it);
+  return count;
 }
 
 int64_t lease_calls_left(const at::Tensor& w_act) {
@@ -206,8 +225,12 @@ c10::optional<at::Tensor> fast_mlp(const at::Tensor& x, const at::Tensor& w_act,
         return c10::nullopt;
       }
     }
-    if (!lease.alive() || w_down.is_inference() || version_of(w_down) != lease.down_version) {
+    if (!lease.alive()) {
       leases.erase(it);
+      return c10::nullopt;
+    }
+    if (w_down.is_inference() || version_of(w_down) != lease.down_version) {
+      lease.spend();
       return c10::nullopt;
     }
     if (c10::cuda::current_device() != lease.device ||
@@ -229,13 +252,16 @@ c10::optional<at::Tensor> fast_mlp(const at::Tensor& x, const at::Tensor& w_act,
     out = std::get<0>(cublas_mlp(x2, w_act, b_act, w_up, b_up, w_down, b_down));
   } else {
     auto result = mlp_forward(plan, x2, w_act, b_act, w_up, b_up, w_down, down_t, b_down, c10::nullopt, c10::nullopt);
-    if (!result.has_value()) {  // declined this x (rows not 16-byte aligned): the Python path takes it
-      revoke_lease(w_act);
+    if (!result.has_value()) {  // declined this x (rows not 16-byte aligned): the Python path takes it,
+      // counts it and ends the lease; so it is not counted as served (unless replaced meanwhile)
+      const std::lock_guard<std::mutex> lock(leases_mutex);
+      const auto it = leases.find(w_act.data_ptr());
+      if (it != leases.end() && it->second.served > 0) --it->second.served;
       return c10::nullopt;
     }
     out = std::get<0>(*result);
   }
-  std::vector<int64_t> shape = x.sizes().vec();
+  at::DimVector shape(x.sizes());  // inline storage: no heap allocation for the usual 2-3 dims
   shape.back() = D;
   return out.view(shape);
 }

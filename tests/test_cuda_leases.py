@@ -67,7 +67,6 @@ def test_a_lease_serves_only_the_call_it_was_granted_for():
     with kernel_config(route_by_density=False):
         problem = make_problem(8, 2048, 5632, nnz_per_row=24.0, bias=True)
         _gated(problem)
-        left = leases.calls_left(problem.gate_weight)
         # Another token count or another stream takes the Python path; the same rows shaped otherwise
         # are served from the lease.
         other_rows = make_problem(4, 2048, 5632, nnz_per_row=24.0).x
@@ -168,18 +167,26 @@ def test_a_dense_layer_leases_the_cublas_route():
         assert rec.calls()[0].path == "cublas"
 
 
+def _leased_decode_layer():
+    """A 16-row layer the router watches (set ``route_report_every=8`` and ``cublas_rows=(1, 0)``) after
+    its first three calls: two reports, landed, then a call that leased calls 3-7. (problem, its gate
+    weight, a function giving the router's state of its decode class.)"""
+    problem = make_problem(16, 2048, 5632, nnz_per_row=24.0)
+    weight = problem.gate_weight
+    for _ in range(3):
+        _gated(problem)
+        torch.cuda.synchronize()
+    assert leases.calls_left(weight) == 8 - 3
+    return problem, weight, lambda: ROUTER._layer(weight, create=False).classes["decode"]
+
+
 @requires_twell_kernels
 def test_the_router_counts_the_calls_leases_served():
-    """A lease's served calls are added to the router's count at the layer's next Python-path call, also
-    when a call the lease does not cover (another stream) replaces it: the report still comes at call 8."""
+    """A lease's served calls are added to the router's count at the layer's next Python-path call, which
+    ends the lease, also when that call (on another stream) grants another: the report still comes at
+    call 8."""
     with kernel_config(route_report_every=8, cublas_rows=(1, 0)):
-        problem = make_problem(16, 2048, 5632, nnz_per_row=24.0)
-        weight = problem.gate_weight
-        state = lambda: ROUTER._layer(weight, create=False).classes["decode"]  # noqa: E731
-        for _ in range(3):
-            _gated(problem)
-            torch.cuda.synchronize()
-        assert leases.calls_left(weight) == 8 - 3
+        problem, weight, state = _leased_decode_layer()
         _gated(problem)
         _gated(problem)  # calls 3 and 4 from the lease
         side = torch.cuda.Stream()
@@ -196,6 +203,41 @@ def test_the_router_counts_the_calls_leases_served():
         _gated(problem)  # call 8 reports
         assert len(ROUTER._layer(weight, create=False).pending) == pending + 1
         assert state().calls == 9 and leases.calls_left(weight) == -1
+
+
+@requires_twell_kernels
+def test_a_call_on_the_python_path_ends_the_lease():
+    """A call the lease does not serve (here one under a recorder, never served) ends it: the router
+    counted that call, so the lease granted before it would have served one call too many, the call
+    due to report."""
+    with kernel_config(route_report_every=8, cublas_rows=(1, 0)):
+        problem, weight, state = _leased_decode_layer()
+        for _ in range(4):
+            _gated(problem)  # calls 3-6 from the lease
+        with twell_compile.record_sparsity():
+            _gated(problem)  # call 7 on the Python path: counts the four, ends the lease, grants none
+        assert state().calls == 8 and leases.calls_left(weight) == -1
+        pending = len(ROUTER._layer(weight, create=False).pending)
+        _gated(problem)  # call 8 reports
+        assert len(ROUTER._layer(weight, create=False).pending) == pending + 1
+
+
+@requires_twell_kernels
+def test_a_lease_whose_w_down_changed_is_spent_at_the_next_grant():
+    """W_down changed in place while its layer's calls have another size (say a training step between
+    decode steps): the next grant of any layer spends the lease, which lets its stale W_down^T go."""
+    with kernel_config(route_by_density=False):
+        layer, other = (make_problem(8, 2048, 5632, nnz_per_row=24.0) for _ in range(2))
+        _gated(layer)
+        assert leases.calls_left(layer.gate_weight) == leases.UNLIMITED
+        with torch.no_grad():
+            layer.down_weight.mul_(-2)
+        _gated(other)
+        assert leases.calls_left(layer.gate_weight) == 0
+        out = _gated(layer)  # the Python path, with the new W_down, and a new lease
+        assert relative_error(out, eager_gated(*layer.gated_args())) < 1e-2
+        assert leases.calls_left(layer.gate_weight) == leases.UNLIMITED
+        assert torch.equal(_gated(layer), out)
 
 
 @requires_twell_kernels

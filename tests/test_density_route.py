@@ -171,7 +171,7 @@ class _RecordingExtension:
         self.calls.append("mlp_forward")
         return None
 
-    def take_served(self, weight):  # leases granted through the stand-in serve nothing
+    def end_lease(self, weight):  # leases granted through the stand-in serve nothing
         return (-1, 0)
 
     def cublas_mlp(self, x, w_act, *args):
@@ -277,6 +277,42 @@ def test_thin_sparse_waves_on_132_sms():
     assert not thin(1152, d=4096)  # four column groups a thread: residency not fixed by the kernel
     assert not thin(1152, d=2044)  # rows not 16 bytes: one element per access, other launches
     assert not twell_mlp.thin_sparse_wave(64, 2048, 132, twell_mlp.sparse_launch(64, 2048, 132, True))
+
+
+def test_every_python_path_call_ends_the_layers_lease(recording_extension, monkeypatch):
+    """Each call on the Python path ends its layer's lease first, whatever its size, and the calls the
+    lease served go to the router's count where it routes by density: that call is counted too, and
+    may change the layer's route, so a lease granted before it must not serve on."""
+    from twell_compile.kernels import leases
+
+    ext = recording_extension
+    ended = []
+
+    def end_lease(weight):
+        ended.append(weight)
+        return twell_mlp._ROUTE_TAGS["small"], 5  # a lease of the "small" class that served 5 calls
+
+    ext.end_lease = end_lease
+    monkeypatch.setattr(leases, "_ext", ext)
+    monkeypatch.setattr(leases, "FAST_MLP", lambda *args: None)
+    weight, down = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+
+    def call(m):
+        twell_mlp.twell_mlp(torch.randn(m, 32, dtype=torch.bfloat16), weight, None, weight, None, down, None)
+
+    call(1024)  # the router does not know the layer yet: nothing to count in
+    state = twell_mlp.ROUTER._layer(weight, create=False).classes["small"]
+    assert ended == [weight] and state.calls == 1
+    call(1024)
+    assert len(ended) == 2 and state.calls == 1 + 5 + 1
+    call(300)  # a call of the cuBLAS rows, which the router does not watch, ends it too
+    assert len(ended) == 3 and state.calls == 12
+    monkeypatch.setattr(twell_mlp.config, "route_by_density", False)
+    call(1024)  # ended, not counted
+    assert len(ended) == 4 and state.calls == 12
+    monkeypatch.setattr(leases, "FAST_MLP", None)  # no lease granted in this process yet: nothing to end
+    call(1024)
+    assert len(ended) == 4
 
 
 def test_thin_waves_route_from_a_lower_density(recording_extension, monkeypatch):

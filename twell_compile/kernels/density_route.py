@@ -197,8 +197,9 @@ class DensityRouter:
         """How many of this layer's next calls of the class may take the route ``decide`` gave its last call
         without asking (``leases.py``): none while its reports are in flight (they may change the route) or
         while a report is due next; else the calls before the next one due to report. Their route cannot
-        change meanwhile: only a report moves the share. The calls a lease serves are added later
-        (``count_calls``)."""
+        change meanwhile: only a report moves the share, and only a call on the Python path (of another
+        row count, through the hysteresis) can flip the route, and every such call ends the layer's lease
+        first. The calls a lease serves are added then (``count_calls``)."""
         with self._lock:
             layer = self._layer(weight, create=False)
             if layer is None or layer.pending:

@@ -7,8 +7,10 @@ cProfile against about 68; examples/results/README.md, "Decoding without CUDA gr
 one size make the same choices each time, so after a call has taken the Python path
 (``twell_mlp.twell_mlp``) it may grant its layer a lease: that call's plan, its route (TwELL or cuBLAS)
 and W_down^T as the weight cache made it, for a number of calls: no limit where the density router does
-not watch the size, else until the router's next report is due (``DensityRouter.lease_calls``; the calls
-a lease served are added to the router's count at the layer's next Python-path call). The op's
+not watch the size, else until the router's next report is due (``DensityRouter.lease_calls``). Every
+call on the Python path first ends its layer's lease (``end``) and adds the calls it served to the
+router's count: the router counted that call too, and may route the layer otherwise after it, so no
+lease outlives a call it did not serve. The op's
 CUDA kernel (``ops.py``) first offers each call to ``FAST_MLP``, which serves it when every operand is the
 one the lease was granted for (data, sizes, strides, dtype, device; the weights alive, W_down's version
 unchanged), on the granting stream, outside graph capture, and returns None otherwise; calls under a
@@ -39,7 +41,7 @@ def grant(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight: Te
           calls: int, tag: int = -1) -> bool:
     """Grants the layer of ``act_weight`` a lease for ``calls`` more calls shaped like this one: the TwELL
     path with ``cuda_plan`` (the extension's ``MlpPlan``, not chunked) and ``down_t``, or the cuBLAS route
-    where both are None. The calls it serves are counted under ``tag`` (``take_served``). Whether it was
+    where both are None. The calls it serves are counted under ``tag`` (``end``). Whether it was
     granted (never while a graph is captured, nor for inference-tensor weights)."""
     global FAST_MLP, _ext
     if _ext is None:
@@ -51,10 +53,9 @@ def grant(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight: Te
                             calls, tag)
 
 
-def take_served(act_weight: Tensor) -> tuple[int, int]:
-    """(tag, calls served) of the lease of ``act_weight``'s layer since last asked, the count then zeroed;
-    (-1, 0) where it has none."""
-    return (-1, 0) if _ext is None else _ext.take_served(act_weight)
+def end(act_weight: Tensor) -> tuple[int, int]:
+    """Ends the lease of ``act_weight``'s layer: (tag, calls it served), (-1, 0) where it has none."""
+    return (-1, 0) if _ext is None else _ext.end_lease(act_weight)
 
 
 def revoke(act_weight: Tensor) -> None:

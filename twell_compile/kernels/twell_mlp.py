@@ -714,6 +714,8 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
     m = x2.shape[0]
     if m == 0:
         return x.new_empty((*x.shape[:-1], d))
+    if leases.FAST_MLP is not None:
+        _end_lease(act_weight)
     plan = call_plan(m, f, d, x2.device)
     if plan.cublas:
         out = _cublas_mlp(x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias)
@@ -721,8 +723,6 @@ def twell_mlp(x: Tensor, act_weight: Tensor, act_bias: Tensor | None, up_weight:
         return out.view(*x.shape[:-1], d)
     routed = report = False
     if plan.route_class is not None and config.route_by_density:
-        if leases.FAST_MLP is not None:
-            _count_lease_calls(act_weight)
         routed, report = ROUTER.decide(act_weight, plan.route_class, config.route_report_every, m)
     if routed:
         out = _cublas_mlp(x2, act_weight, act_bias, up_weight, up_bias, down_weight, down_bias,
@@ -775,16 +775,18 @@ def _grant_lease(plan: CallPlan, x2: Tensor, act_weight: Tensor, act_bias: Tenso
                  None if down_t is None else plan.cuda, down_t, calls, _ROUTE_TAGS.get(plan.route_class, -1))
 
 
-# Size classes by the tag their leases count served calls under (leases.take_served).
+# Size classes by the tag their leases count served calls under (leases.end).
 _ROUTE_CLASSES = ("decode", "small", "large")
 _ROUTE_TAGS = {name: tag for tag, name in enumerate(_ROUTE_CLASSES)}
 
 
-def _count_lease_calls(act_weight: Tensor) -> None:
-    """Adds the calls the layer's lease served since its last Python-path call to the router's count, so
-    that its reports come when they are due."""
-    tag, served = leases.take_served(act_weight)
-    if served > 0 and tag >= 0:
+def _end_lease(act_weight: Tensor) -> None:
+    """Ends the layer's lease at a call on the Python path and adds the calls it served to the router's
+    count, so that reports come when they are due. Any lease, whatever the call's size or route: the
+    router counts this call too, and may route the layer otherwise after it, which a lease granted
+    before it would not know."""
+    tag, served = leases.end(act_weight)
+    if served > 0 and tag >= 0 and config.route_by_density:
         ROUTER.count_calls(act_weight, _ROUTE_CLASSES[tag], served)
 
 
