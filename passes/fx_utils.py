@@ -148,8 +148,19 @@ def get_attr_value(gm: fx.GraphModule | None, target: str) -> Any:
 
 
 def has_plain_forward(module: nn.Module, base: type[nn.Module]) -> bool:
-    """``module`` is a ``base`` whose forward is not overridden (so it computes what ``base`` does)."""
-    return isinstance(module, base) and type(module).forward is base.forward
+    """``module`` is a ``base`` whose forward is not overridden and that no hook wraps (so a call of it
+    computes what ``base`` does; a rewrite that reads its weights directly would skip the hooks)."""
+    return (isinstance(module, base) and type(module).forward is base.forward and not _hooked(module))
+
+
+def _hooked(module: nn.Module) -> bool:
+    from torch.nn.modules import module as module_globals
+
+    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+           getattr(module, "_backward_pre_hooks", None))
+    shared = (module_globals._global_forward_hooks, module_globals._global_forward_pre_hooks,
+              module_globals._global_backward_hooks, getattr(module_globals, "_global_backward_pre_hooks", None))
+    return any(bool(hooks) for hooks in (*own, *shared))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -168,7 +179,10 @@ def is_call(node: Any, functions: frozenset, methods: frozenset = frozenset()) -
 
 
 def is_view(node: Any) -> bool:
-    return is_call(node, VIEW_FUNCTIONS, VIEW_METHODS)
+    """A reshape (``Tensor.view(dtype)``, a reinterpretation of the bits, is none)."""
+    if not is_call(node, VIEW_FUNCTIONS, VIEW_METHODS):
+        return False
+    return "dtype" not in node.kwargs and not any(isinstance(arg, torch.dtype) for arg in node.args[1:])
 
 
 # (input, p, training) positionally in each; F.dropout's training defaults to True, so it must be given.
@@ -203,6 +217,20 @@ def is_value_identity(node: Any) -> bool:
 
 def _is_zero_literal(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+def is_clamp_relu(node: fx.Node) -> bool:
+    """``node`` is ReLU spelled as a clamp (``clamp(t, min=0)``, ``clamp_min(t, 0)``, ``clip``): the same
+    values, but a gradient of 1 at exactly 0 where relu's is 0."""
+    return bool(_clamp_is_relu(node))
+
+
+def is_inplace_call(node: fx.Node) -> bool:
+    """``relu_``, ``clamp_``, ``F.relu(t, inplace=True)``, ...: a call that writes into its input."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        name = node.target._schema.name.split("::")[-1]
+    return (isinstance(name, str) and name.endswith("_") and not name.endswith("__")) or _inplace_flag(node)
 
 
 def _clamp_is_relu(node: fx.Node) -> bool | None:

@@ -34,6 +34,8 @@ from .fx_utils import (
     format_nodes_code,
     format_shape,
     is_call,
+    is_clamp_relu,
+    is_inplace_call,
     is_relu,
     may_mutate,
     module_stack,
@@ -213,6 +215,13 @@ class ReluMlpFusionPass:
             return f"activation is {activation.name}, not relu"
         if not is_relu(activation.node, gm):
             return f"relu call {activation.node.name} has unexpected arguments"
+        if is_clamp_relu(activation.node) and torch.is_grad_enabled():
+            # (the twell ops' backward is relu's; under no_grad or inference_mode nothing differs)
+            return (f"{activation.node.name} is relu spelled as a clamp, whose gradient at exactly 0 is 1 "
+                    f"where relu's is 0; compiled with gradients enabled, it is left alone")
+        if is_inplace_call(activation.node) and _pieces_overlap(match.gate, match.up):
+            return (f"the in-place {activation.node.name} writes into a piece of the projection that "
+                    f"overlaps the up projection's piece")
         if match.kind == GATED and not self.gated:
             return "gated rewrites are disabled (options.gated=False)"
         if match.kind == NON_GATED and not self.non_gated:
@@ -499,6 +508,18 @@ def _shape_problem(block: _Block) -> str:
         if out_shape is not None and not shapes_equal(out_shape, expected):
             return f"block output has shape {format_shape(out_shape)}, expected {format_shape(expected)}"
     return ""
+
+
+def _pieces_overlap(gate: LinearMatch | None, up: LinearMatch | None) -> bool:
+    """Gate and up are pieces of one fused projection whose rows overlap: an in-place activation of the
+    gate's piece then changes part of the up piece too, which the fused op would not see."""
+    if gate is None or up is None:
+        return False
+    a, b = gate.weight, up.weight
+    if not (isinstance(a, RowSlice) and isinstance(b, RowSlice)):
+        return False
+    same = a.source is b.source or a.source.name == b.source.name
+    return same and a.start < b.stop and b.start < a.stop
 
 
 def _mutation_inside(block: _Block, gm: fx.GraphModule, position: dict[fx.Node, int]) -> str:

@@ -235,11 +235,20 @@ def test_relu_spellings(mode, act):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("act", list(CLAMP_RELUS))
-def test_clamp_at_zero_is_relu(mode, act):
-    gm, inputs = capture(mode, Wrapped(GatedMLP(act=act, bias=(True, True, True))), x3d())
-    rewrite(gm, inputs, rewritten=1, left_alone=0)
-    gm, inputs = capture(mode, Wrapped(NonGatedMLP(act=act)), x3d())
-    rewrite(gm, inputs, rewritten=1, left_alone=0)
+def test_clamp_at_zero_is_relu_without_gradients(mode, act):
+    with torch.no_grad():
+        gm, inputs = capture(mode, Wrapped(GatedMLP(act=act, bias=(True, True, True))), x3d())
+        rewrite(gm, inputs, rewritten=1, left_alone=0)
+        gm, inputs = capture(mode, Wrapped(NonGatedMLP(act=act)), x3d())
+        rewrite(gm, inputs, rewritten=1, left_alone=0)
+
+
+@pytest.mark.parametrize("mode", ["symbolic", "dynamo"])
+def test_clamp_at_zero_is_left_alone_where_gradients_may_flow(mode):
+    """clamp(t, min=0) passes the gradient at exactly 0 (an all-zero padding row after a norm gives
+    that), relu does not, and the twell ops' backward is relu's."""
+    gm, inputs = capture(mode, Wrapped(GatedMLP(act="Tensor.clamp(min=0)")), x3d())
+    assert_left_alone(rewrite(gm, inputs, rewritten=0), "relu spelled as a clamp", kind="gated")
 
 
 def test_clamp_matches_relu_values():
@@ -675,6 +684,30 @@ def test_fused_projection_left_alone(mode, case, out_features, reason):
         assert_left_alone(report, *reason, kind="gated")
 
 
+def _inplace_relu_on_overlapping_pieces(m, x):
+    # relu_ on the gate's piece also changes the first half of the up piece: the fused op would not.
+    gate_up = m.gate_up_proj(x)
+    gate, up = gate_up[..., :F_], gate_up[..., F_ // 2:F_ // 2 + F_]
+    return m.down_proj(torch.relu_(gate) * up)
+
+
+def _inplace_relu_on_disjoint_pieces(m, x):
+    gate, up = m.gate_up_proj(x).chunk(2, dim=-1)
+    return m.down_proj(torch.relu_(gate) * up)
+
+
+@pytest.mark.parametrize("mode", ["symbolic", "dynamo", "export"])
+def test_inplace_relu_on_overlapping_pieces_left_alone(mode):
+    model = Custom(_inplace_relu_on_overlapping_pieces)
+    model.gate_up_proj = nn.Linear(D, 2 * F_)
+    with torch.no_grad():
+        gm, inputs = capture(mode, model, torch.randn(4, 3, D))
+        assert_left_alone(rewrite(gm, inputs, rewritten=0), "overlaps the up projection's piece", kind="gated")
+        model.fn = _inplace_relu_on_disjoint_pieces
+        gm, inputs = capture(mode, model, torch.randn(4, 3, D))
+        rewrite(gm, inputs, rewritten=1)
+
+
 def test_uneven_chunk_reported():
     # 2F + 2 features chunk into F + 1 and F + 1 here, then the down projection takes F + 1 features:
     # fine. With 2F + 1 the pieces are F + 1 and F, whose product would broadcast or fail.
@@ -1058,3 +1091,36 @@ mlp [gated] LEFT ALONE: relu is applied to the product (down(relu(gate(x) * up(x
     relu = torch.ops.aten.relu.default(mul)
     permute_2 = torch.ops.aten.permute.default(mlp_down_proj_weight, [1, 0])
     addmm_2 = torch.ops.aten.addmm.default(mlp_down_proj_bias, relu, permute_2)""")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Modules whose call does more than their forward: hooks (call_module nodes of symbolic_trace graphs)
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hook", ["forward", "forward_pre", "global_forward"])
+def test_hooked_linears_are_not_read_as_plain_linears(hook):
+    model = GatedMLP()
+    if hook == "forward":
+        handle = model.gate_proj.register_forward_hook(lambda module, args, out: out * 2 - 1)
+    elif hook == "forward_pre":
+        handle = model.gate_proj.register_forward_pre_hook(lambda module, args: (args[0] * 3,))
+    else:
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: out)
+    try:
+        gm, inputs = capture("symbolic", model, x3d())
+        report = rewrite(gm, inputs, rewritten=0)
+        assert report.left_alone_count == 0, str(report)  # no linear seen, so no block either
+    finally:
+        handle.remove()
+
+
+def test_a_view_as_another_dtype_is_not_a_reshape():
+    """``t.view(torch.int32)`` reinterprets the bits: a block around it is no ReLU MLP."""
+    def integer_product(m, x):  # the product of the bits as integers, read back as floats
+        h = torch.relu(m.gate_proj(x)).view(torch.int32) * m.up_proj(x).view(torch.int32)
+        return m.down_proj(h.view(torch.float32))
+
+    for mode in ("symbolic", "dynamo"):
+        gm, inputs = capture(mode, Custom(integer_product), x3d())
+        rewrite(gm, inputs, rewritten=0)

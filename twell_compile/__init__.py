@@ -10,6 +10,7 @@ from . import ops  # noqa: F401  (registers torch.ops.twell.*)
 from .api import ExplainReport, explain, rewrite
 from .backend import last_reports, twell_backend
 from .graph_export import to_networkx
+from .kernels.weight_cache import weights_changed
 from .options import TwellOptions
 from .stats import record_sparsity
 
@@ -34,4 +35,5 @@ __all__ = [
     "rewrite",
     "to_networkx",
     "twell_backend",
+    "weights_changed",
 ]

@@ -838,6 +838,9 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
     d = down_weight.shape[0]
     out = _buffer((m, d), x2.dtype, x2.device)
     act_weight, act_bias, up_weight, up_bias, down_bias = map(_contig, (act_weight, act_bias, up_weight, up_bias, down_bias))
+    # W_down^T is cached for the caller's weight: a contiguous copy made here would be a new weight to
+    # the cache at every call (and, under inference_mode, an inference tensor it cannot cache).
+    w_down_t = DOWN_WEIGHT_T.get(down_weight)
     down_weight = down_weight.contiguous()
 
     wgmma_ok = _wgmma_ok(x2, act_weight)
@@ -864,7 +867,6 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
     else:
         _triton_gate(plan, x2, act_weight, act_bias, packed, counts, dense, block_nnz, n_tiles)
 
-    w_down_t = DOWN_WEIGHT_T.get(down_weight)
     vec8 = _vec8_ok(w_down_t, out, *((x2, up_weight) if gated else ()))
     launch = sparse_launch(m, d, sms, vec8)
     thresholds = _dense_thresholds(m, f, launch.entry_split)

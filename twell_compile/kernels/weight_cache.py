@@ -11,16 +11,27 @@ requests served on two streams, say) that finds it waits for that fill on the de
 sync) and is recorded with the allocator as a user of its memory; calls on the filling stream, the usual
 case, are ordered already and pay only a comparison of stream handles.
 
-CUDA graphs: while a graph is captured nothing is cached (the copy is recorded into the graph and
+CUDA graphs: while a graph is captured nothing is cached (a miss records the copy into the graph,
 replayed with it). Cudagraph trees also run a warm-up with this thread's allocations routed to their
 private pool, which must hold nothing but tracked outputs afterwards; so an entry's storage is
 allocated from a short-lived helper thread (default pool) and only filled on the current stream.
+An entry a capture used (a hit) is pinned, since the graph reads its memory at every replay: no
+eviction, ``clear`` or version change frees it, only its weight's death does. A version change
+outside a capture refills a pinned entry in place, so the graphs read the new values from then on;
+until such a call (say, graphs replayed right after an in-place update of W_down) they read the old
+ones, and so does every call after an update the version counter does not see (writes through
+``.data``, say): ``weights_changed`` (``twell_compile.weights_changed``, and after every optimizer
+step by itself) refills the pinned entries and drops the others.
+
+Entries of weights that are not views are dropped as soon as the weight is freed (a weak reference's
+callback); the others, and pinned ones, when the next entry is filled.
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -111,52 +122,140 @@ class _Fill:
         derived.record_stream(stream)
 
 
+def _capturing(weight: torch.Tensor) -> bool:
+    return weight.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+class _Entry:
+    """A derived weight: its source's storage (weakly), the source's version it was made from, the copy,
+    its fill (CUDA), whether a captured graph reads it (pinned), and the source itself (weakly) where
+    it is no view, so that ``clear`` can refill a pinned copy."""
+
+    __slots__ = ("ref", "version", "derived", "fill", "pinned", "source")
+
+    def __init__(self, weight: torch.Tensor, version: int, derived: torch.Tensor):
+        self.ref = StorageWeakRef(weight.untyped_storage())
+        self.version = version
+        self.derived = derived
+        self.fill = _Fill(weight.device) if weight.is_cuda else None
+        self.pinned = False
+        self.source = weakref.ref(weight) if weight._base is None else None
+
+
 class DerivedWeightCache:
     """``layout(weight).contiguous()`` (a view of the weight, made contiguous), computed once per
     weight version."""
 
     def __init__(self, layout, max_entries: int = _MAX_ENTRIES):
         self._layout = layout
-        self._entries: OrderedDict[tuple, tuple[StorageWeakRef, int, torch.Tensor, _Fill | None]] = OrderedDict()
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._max_entries = max_entries
-        self._lock = threading.Lock()
+        # Reentrant: a weight's callback (_forget) may run from a garbage collection inside a locked block.
+        self._lock = threading.RLock()
+        self._watched: dict[int, weakref.ref] = {}  # id(weight) -> a reference whose callback drops its entry
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         version = _version(weight)
         if version is None:
             return self._layout(weight).contiguous()
         key = weight_key(weight)
+        capturing = _capturing(weight)
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None:
-                ref, cached_version, derived, fill = entry
-                if not ref.expired() and cached_version == version:
-                    self._entries.move_to_end(key)
-                    if fill is not None:
-                        fill.order_use(derived)
-                    return derived
+            if entry is not None and entry.ref.expired():
                 del self._entries[key]
-        view = self._layout(weight)
-        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+                entry = None
+            if entry is not None and entry.version == version:
+                self._entries.move_to_end(key)
+                entry.pinned |= capturing  # the graph reads this copy at every replay: keep it
+                if entry.fill is not None:
+                    entry.fill.order_use(entry.derived)
+                return entry.derived
+            if entry is not None and not entry.pinned:
+                del self._entries[key]
+                entry = None
+        view = self._layout(weight).detach()  # (a copy outside autograd, which would hold the weight alive)
+        if capturing:  # recorded into the graph (a stale pinned entry is refilled at the next call outside)
             return view.contiguous()
+        if entry is not None:  # pinned and stale: refilled in place, where the graphs read it
+            with self._lock:
+                entry.derived.copy_(view)
+                entry.version = version
+                entry.fill = _Fill(weight.device) if weight.is_cuda else None
+            return entry.derived
+        _watch_optimizer_steps()
         derived = _empty_outside_graph_pools(tuple(view.shape), weight)
         derived.copy_(view)
-        fill = _Fill(weight.device) if weight.is_cuda else None
         with self._lock:
-            self._entries[key] = (StorageWeakRef(weight.untyped_storage()), version, derived, fill)
-            for stale in [k for k, (ref, _, _, _) in self._entries.items() if ref.expired()]:
+            self._entries[key] = _Entry(weight, version, derived)
+            for stale in [k for k, e in self._entries.items() if e.ref.expired()]:
                 del self._entries[stale]
-            while len(self._entries) > self._max_entries:
-                self._entries.popitem(last=False)
+            unpinned = (k for k, e in list(self._entries.items()) if not e.pinned)
+            while len(self._entries) > self._max_entries and (oldest := next(unpinned, None)) is not None:
+                del self._entries[oldest]
+        if weight._base is None:  # dropped with its weight (a view's entry goes at a later fill)
+            watched = self._watched.get(id(weight))
+            if watched is None or watched() is not weight:
+                self._watched[id(weight)] = weakref.ref(weight, lambda _, i=id(weight), k=key: self._forget(i, k))
         return derived
 
-    def clear(self) -> None:
+    def _forget(self, weight_id: int, key: tuple) -> None:
+        """The weight of ``key`` is freed: its entry goes, unless a captured graph reads it (then it goes
+        once its storage is gone too, at a later fill; at this point the storage is not freed yet)."""
         with self._lock:
-            self._entries.clear()
+            self._watched.pop(weight_id, None)
+            entry = self._entries.get(key)
+            if entry is not None and not entry.pinned:
+                del self._entries[key]
+
+    def clear(self) -> None:
+        """Drops every entry but those captured graphs read, which are refilled from their weights in
+        place (where the weight is alive and no view; else kept as they are), so that the graphs read
+        the weights' current values."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("twell: the weight caches cannot be cleared while a CUDA graph is being captured")
+        with self._lock:
+            pinned = {key: entry for key, entry in self._entries.items() if entry.pinned and not entry.ref.expired()}
+            self._entries = OrderedDict(pinned)
+        for entry in pinned.values():
+            source = entry.source() if entry.source is not None else None
+            if source is not None:
+                entry.derived.copy_(self._layout(source).detach())
+                version = _version(source)
+                entry.version = -1 if version is None else version
         leases.revoke_all()  # they hold derived weights too
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def weights_changed() -> None:
+    """Tells twell that weights may have changed in a way their version counters do not show: writes
+    through ``.data``, from DLPack or NumPy, by collectives, or by optimizers whose fused kernels skip
+    the counter (``torch.optim.AdamW(fused=True)``: twell calls this after every optimizer step by
+    itself). The re-laid copies of the weights are made again at their next use; those that captured
+    CUDA graphs read are refilled in place now, so that the graphs read the current weights; leases
+    are revoked. Not while a CUDA graph is being captured."""
+    for cache in (DOWN_WEIGHT_T, UP_WEIGHT_SLICED, DOWN_WEIGHT_SLICED):
+        cache.clear()
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    # (an optimizer step captured into a CUDA graph leaves the caches alone: nothing may be copied then)
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        weights_changed()
+
+
+_optimizer_hook = None
+
+
+def _watch_optimizer_steps() -> None:
+    """From the first cached copy on: every optimizer step, whatever its kind, counts as a change."""
+    global _optimizer_hook
+    if _optimizer_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _optimizer_hook = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 DOWN_WEIGHT_T = DerivedWeightCache(_transpose)
