@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from torch import fx
+from torch._ops import HigherOrderOperator
 
 from .relu_mlp_fusion import ReluMlpFusionPass
 from .report import CandidateBlock, RewriteReport
@@ -43,12 +44,14 @@ class TwellPassManager:
     def __call__(self, gm: fx.GraphModule) -> RewriteReport:
         report = RewriteReport(graph_name=type(gm).__name__)
         start = time.perf_counter()
+        graphs = [gm, *_subgraphs(gm)]
         for graph_pass in self.passes:
             name = getattr(graph_pass, "name", type(graph_pass).__name__)
             pass_start = time.perf_counter()
-            report.merge(graph_pass(gm))
-            if self.debug:
-                gm.graph.lint()
+            for graph in graphs:
+                report.merge(graph_pass(graph))
+                if self.debug:
+                    graph.graph.lint()
             report.pass_times_s[name] = report.pass_times_s.get(name, 0.0) + time.perf_counter() - pass_start
         report.elapsed_s = time.perf_counter() - start
         return report
@@ -56,6 +59,23 @@ class TwellPassManager:
     def __repr__(self) -> str:
         names = ", ".join(getattr(p, "name", type(p).__name__) for p in self.passes)
         return f"TwellPassManager([{names}])"
+
+
+def _subgraphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The graphs of higher-order ops' bodies, at any depth: ``torch.utils.checkpoint`` regions
+    (``tag_activation_checkpoint``), ``wrap``, ... Dynamo stores them as GraphModule attributes of the
+    graph that calls them, with their inputs (weights too) as placeholders. A body is a function of
+    its inputs, so a block inside it is rewritten as anywhere else. (Only bodies a higher-order op
+    takes: a GraphModule a model holds as an ordinary submodule is the model's, not ours to change.)"""
+    found: list[fx.GraphModule] = []
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not any(
+                user.op == "call_function" and isinstance(user.target, HigherOrderOperator) for user in node.users):
+            continue
+        body = getattr(gm, node.target, None)
+        if isinstance(body, fx.GraphModule) and all(body is not seen for seen in found):
+            found += [body, *_subgraphs(body)]
+    return found
 
 
 def run_passes(gm: fx.GraphModule, options: Any = None) -> RewriteReport:

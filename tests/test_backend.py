@@ -287,6 +287,35 @@ def test_graph_break_each_graph_rewritten():
     torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-6)
 
 
+class _Checkpointed(nn.Module):
+    """Each block under ``torch.utils.checkpoint``: Dynamo puts it in a higher-order op's subgraph."""
+
+    def __init__(self, blocks: list[nn.Module]):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_blocks_inside_checkpointed_regions_are_rewritten():
+    import copy
+
+    torch.manual_seed(0)
+    model = _Checkpointed([GatedMLP(HIDDEN, 32, bias=True), GatedMLP(HIDDEN, 32)])
+    compiled_model = copy.deepcopy(model)
+    x = _x(3, 4)
+    out = torch.compile(compiled_model, backend="twell")(x)
+    assert sum(r.gated_count for r in backend_reports()) == 2
+    expected = model(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_grads_close(compiled_model, model, rtol=1e-5, atol=1e-6)
+
+
 @torch.no_grad()
 def test_model_without_relu_mlp_is_unchanged():
     model = Stack([SiluGatedMLP(HIDDEN, 32), SiluGatedMLP(HIDDEN, 32)], HIDDEN).eval()
