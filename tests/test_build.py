@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 import warnings
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -50,9 +52,11 @@ def fresh_availability(monkeypatch):
     monkeypatch.delenv("TWELL_DISABLE_KERNELS", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA Test GPU")
     build._unavailable_reason.cache_clear()
+    build._build_failure.cache_clear()
     build._warn_once.cache_clear()
     yield monkeypatch
     build._unavailable_reason.cache_clear()
+    build._build_failure.cache_clear()
     build._warn_once.cache_clear()
 
 
@@ -85,6 +89,21 @@ def test_failed_build_falls_back_with_the_reason(fresh_availability):
     assert not available
     assert len(messages) == 1
     assert "building the CUDA extension failed: FileNotFoundError: nvcc not found" in messages[0]
+
+
+def test_a_failed_build_is_tried_once_for_all_gpus(fresh_availability):
+    fresh_availability.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    attempts = []
+
+    def failing_build():
+        attempts.append(1)
+        raise RuntimeError("nvcc failed")
+
+    fresh_availability.setattr(build, "cuda_extension", failing_build)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert not any(build.kernels_available(torch.device("cuda", i)) for i in range(4))
+    assert len(attempts) == 1
 
 
 def test_kernels_can_be_switched_off(fresh_availability):
@@ -131,6 +150,28 @@ def test_first_build_says_it_is_compiling(tmp_path, monkeypatch, capsys):
     (tmp_path / build_dir / "twell_cuda.so").write_bytes(b"")  # what a finished build leaves
     build_extension()
     assert capsys.readouterr().err == ""  # built before: loaded from the cache, silently
+
+
+def test_the_lock_file_of_a_killed_build_is_removed(tmp_path, monkeypatch):
+    """torch's cpp_extension.load waits for as long as its ``lock`` file exists; a build killed midway
+    leaves it behind. Under twell's own lock (released by the kernel when its holder dies) such a file
+    can only be stale, and it is removed before building."""
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("TWELL_CACHE_DIR", str(tmp_path))
+    lock_seen = []
+
+    def load(**kwargs):
+        lock_seen.append((Path(kwargs["build_directory"]) / "lock").exists())
+        return "module"
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    build_extension = build.cuda_extension.__wrapped__
+    build_extension()
+    build_dir = next(p for p in tmp_path.rglob("*") if p.is_dir() and (p / ".twell_build.lock").exists())
+    (build_dir / "lock").write_text("")  # what a killed build leaves
+    assert build_extension() == "module"
+    assert lock_seen == [False, False] and not (build_dir / "lock").exists()
 
 
 def test_finished_build_is_imported_without_ninja(tmp_path, monkeypatch):

@@ -401,3 +401,19 @@ def test_reports_and_clearing_revoke_leases(monkeypatch):
     assert revoked[-1] == "all"
     twell_mlp.config.route_report_every = twell_mlp.config.route_report_every  # any setting
     assert revoked[-1] == "all" and len(revoked) == 3
+
+
+def test_a_layer_is_its_storage_not_its_address(monkeypatch):
+    """A new weight at a freed weight's address (its storage kept alive by ``resize_(0)``, as FSDP
+    does) starts afresh: it does not inherit the old layer's route. One key for every weight stands
+    in for the address reuse."""
+    monkeypatch.setattr(density_route, "weight_key", lambda weight: ("one key",))
+    router = DensityRouter()
+    old = torch.randn(8, 4)
+    for _ in range(3):
+        router.report(old, "small", torch.tensor(8), 8)  # every block dense: routed to cuBLAS
+    assert router.share(old, "small") == 1.0
+    old.untyped_storage().resize_(0)
+    new = torch.randn(8, 4)
+    assert router.share(new, "small") is None
+    assert router.decide(new, "small", 8, 1024) == (False, True)  # a first call: TwELL, and it reports

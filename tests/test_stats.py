@@ -45,6 +45,38 @@ def test_calls_captured_in_a_cuda_graph_are_not_recorded(monkeypatch):
     assert len(rec.calls()) == 1
 
 
+def test_nested_recorders_each_see_every_call_and_threads_their_own():
+    import threading
+
+    problem = make_problem(8, 16, 32, nnz_per_row=4.0, dtype=torch.float32, device="cpu")
+    other = make_problem(5, 16, 32, nnz_per_row=4.0, dtype=torch.float32, device="cpu")
+    with twell_compile.record_sparsity() as outer:
+        torch.ops.twell.gated_relu_mlp(*problem.gated_args())
+        with twell_compile.record_sparsity() as inner:
+            torch.ops.twell.gated_relu_mlp(*other.gated_args())
+            # another thread's call is its own, not these recorders'
+            thread = threading.Thread(target=lambda: torch.ops.twell.gated_relu_mlp(*problem.gated_args()))
+            thread.start()
+            thread.join()
+    assert [c.rows for c in outer.calls()] == [8, 5]
+    assert [c.rows for c in inner.calls()] == [5]
+    assert inner.calls()[0] == outer.calls()[1]
+
+
+def test_one_read_gives_every_count():
+    recorder = stats.SparsityRecorder()
+    recorder.add("gated_relu_mlp", torch.tensor([3, 5, 0], dtype=torch.int32), 64,
+                 overflow_rows=torch.tensor([True, False, True]), block_dense=torch.tensor([False, True]), path="twell")
+    recorder.add("relu_mlp", torch.tensor([], dtype=torch.int32), 64, overflow_rows=torch.tensor([], dtype=torch.bool),
+                 path="twell")
+    recorder.add("relu_mlp", torch.tensor([7]), 64, path="reference")
+    first, empty, reference = recorder.calls()
+    assert (first.mean_nnz_per_row, first.max_nnz_per_row, first.overflow_rows, first.dense_blocks, first.blocks) == (
+        8 / 3, 5, 2, 1, 2)
+    assert (empty.rows, empty.max_nnz_per_row, empty.overflow_rows, empty.dense_blocks) == (0, 0, 0, None)
+    assert (reference.max_nnz_per_row, reference.overflow_rows, reference.dense_blocks) == (7, None, None)
+
+
 def test_path_names_are_checked():
     recorder = stats.SparsityRecorder()
     recorder.add("relu_mlp", torch.tensor([1, 2]), 8, path="cublas")

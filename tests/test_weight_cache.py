@@ -108,3 +108,16 @@ def test_a_strided_w_down_is_cached_as_given(monkeypatch, inference):
             except Exception:  # the CPU has no kernels to launch; the cache was asked before them
                 pass
     assert fetched and fetched[0] is down
+
+
+def test_an_entry_serves_only_the_storage_it_was_made_from(monkeypatch):
+    """A storage can outlive its memory (``resize_(0)``, as FSDP frees unsharded parameters), and a new
+    weight then get the old one's address, so its key: the entry must not serve it. The address
+    reuse is stood in for by one key for every weight."""
+    monkeypatch.setattr(weight_cache, "weight_key", lambda weight: ("one key",))
+    cache = _cache()
+    old = torch.ones(16, 8)
+    cache.get(old)
+    old.untyped_storage().resize_(0)  # the storage object lives on
+    new = torch.full((16, 8), 2.0)
+    assert torch.equal(cache.get(new), new.t())

@@ -14,17 +14,27 @@ execution order, which for a compiled model is layer order. Kernels replayed fro
 Python, so nothing is recorded for them: record with ``mode="default"``. Nor is a call made while a CUDA
 graph is being captured (``mode="reduce-overhead"``'s recording call): its kernels have not run yet, so
 its statistics would be whatever the memory held, and the reductions would join the graph's every replay.
+A recorder sees the calls its own thread makes, and nested recorders each see every call made inside
+them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 
 import torch
 
-_ACTIVE: list["SparsityRecorder"] = []
+_LOCAL = threading.local()  # .active: this thread's recorders, outermost first
 PATHS = ("twell", "cublas", "reference")
+
+
+def _active() -> list["SparsityRecorder"]:
+    active = getattr(_LOCAL, "active", None)
+    if active is None:
+        active = _LOCAL.active = []
+    return active
 
 
 def active_units(pre_activation: torch.Tensor) -> torch.Tensor:
@@ -48,31 +58,27 @@ class CallStats:
 
 class SparsityRecorder:
     def __init__(self) -> None:
-        self._pending: list[tuple[str, int, int, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int | None,
-                                  str]] = []
+        # (op, rows, width, sums on the device or None for no rows, overflow known, dense blocks known,
+        # blocks, path): see _summary
+        self._pending: list[tuple[str, int, int, torch.Tensor | None, bool, bool, int | None, str]] = []
 
     def add(self, op: str, nnz_per_row: torch.Tensor, width: int, overflow_rows: torch.Tensor | None = None,
             block_dense: torch.Tensor | None = None, *, path: str) -> None:
-        if path not in PATHS:
-            raise ValueError(f"twell: unknown path {path!r} (expected one of {', '.join(PATHS)})")
-        rows = nnz_per_row.numel()
-        packed = torch.stack([nnz_per_row.sum(dtype=torch.int64), nnz_per_row.max().to(torch.int64)]) if rows else None
-        self._pending.append((
-            op, rows, width, packed,
-            None if overflow_rows is None else overflow_rows.sum(dtype=torch.int64),
-            None if block_dense is None else block_dense.sum(dtype=torch.int64),
-            None if block_dense is None else block_dense.numel(),
-            path,
-        ))
+        self._pending.append(_summary(op, nnz_per_row, width, overflow_rows, block_dense, path))
 
     def calls(self) -> list[CallStats]:
-        """One entry per recorded op call, in call order (reads the device tensors: syncs once)."""
+        """One entry per recorded op call, in call order (reads the device tensors: one copy per device)."""
+        # Every call's sums on one device in one tensor, read back at once.
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for _, _, _, packed, _, _, _, _ in self._pending:
+            if packed is not None:
+                by_device.setdefault(packed.device, []).append(packed)
+        values = {device: iter(torch.stack(parts).tolist()) for device, parts in by_device.items()}
         out = []
-        for op, rows, width, packed, overflow, dense, blocks, path in self._pending:
-            total, most = packed.tolist() if packed is not None else (0, 0)
-            out.append(CallStats(op, rows, width, total / max(rows, 1), most,
-                                 None if overflow is None else int(overflow),
-                                 None if dense is None else int(dense), blocks, path))
+        for op, rows, width, packed, has_overflow, has_dense, blocks, path in self._pending:
+            total, most, overflow, dense = next(values[packed.device]) if packed is not None else (0, 0, 0, 0)
+            out.append(CallStats(op, rows, width, total / max(rows, 1), most, overflow if has_overflow else None,
+                                 dense if has_dense else None, blocks, path))
         return out
 
     def table(self) -> str:
@@ -86,20 +92,55 @@ class SparsityRecorder:
         return "\n".join(lines)
 
 
+def _summary(op: str, nnz_per_row: torch.Tensor, width: int, overflow_rows: torch.Tensor | None,
+             block_dense: torch.Tensor | None, path: str) -> tuple:
+    """A call's entry: its sums as one int64 device tensor (total and max active units per row, rows
+    past a tile's capacity, dense blocks; 0 where not known), reduced on the device, read later."""
+    if path not in PATHS:
+        raise ValueError(f"twell: unknown path {path!r} (expected one of {', '.join(PATHS)})")
+    rows = nnz_per_row.numel()
+    packed = None
+    if rows:
+        unknown = nnz_per_row.new_zeros((), dtype=torch.int64)
+        packed = torch.stack([
+            nnz_per_row.sum(dtype=torch.int64), nnz_per_row.max().to(torch.int64),
+            unknown if overflow_rows is None else overflow_rows.sum(dtype=torch.int64).to(unknown.device),
+            unknown if block_dense is None else block_dense.sum(dtype=torch.int64).to(unknown.device),
+        ])
+    return (op, rows, width, packed, overflow_rows is not None, block_dense is not None,
+            None if block_dense is None else block_dense.numel(), path)
+
+
+class _Recorders:
+    """Nested recorders, each to get every call: the call is reduced once."""
+
+    def __init__(self, recorders: list[SparsityRecorder]):
+        self._recorders = recorders
+
+    def add(self, op: str, nnz_per_row: torch.Tensor, width: int, overflow_rows: torch.Tensor | None = None,
+            block_dense: torch.Tensor | None = None, *, path: str) -> None:
+        entry = _summary(op, nnz_per_row, width, overflow_rows, block_dense, path)
+        for recorder in self._recorders:
+            recorder._pending.append(entry)
+
+
 @contextlib.contextmanager
 def record_sparsity():
     recorder = SparsityRecorder()
-    _ACTIVE.append(recorder)
+    active = _active()
+    active.append(recorder)
     try:
         yield recorder
     finally:
-        _ACTIVE.remove(recorder)
+        active.remove(recorder)
 
 
-def active_recorder() -> SparsityRecorder | None:
-    """The innermost recorder, if any, unless the current CUDA stream is being captured (see above)."""
-    if not _ACTIVE:
+def active_recorder() -> SparsityRecorder | _Recorders | None:
+    """What to give this thread's op calls to: its recorder, or all of its nested recorders; None when
+    it has none, or while the current CUDA stream is being captured (see above)."""
+    active = _active()
+    if not active:
         return None
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
-    return _ACTIVE[-1]
+    return active[0] if len(active) == 1 else _Recorders(list(active))

@@ -8,6 +8,7 @@ back to the reference implementation instead of failing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -63,6 +64,27 @@ def _import_built(library: Path):
     return module
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Holds an exclusive lock on the build folder: one process builds, the others wait and then load
+    what it built. The kernel releases the lock when its holder dies, however it dies; so, while it is
+    held, torch's own lock file (``lock``, which ``cpp_extension.load`` waits on for as long as it
+    exists) can only be left over from a build that was killed, and it is removed: such a file made
+    every later process wait forever."""
+    try:
+        import fcntl
+    except ImportError:  # (not POSIX: torch's lock file alone)
+        yield
+        return
+    with open(build_dir / ".twell_build.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def cuda_extension():
     """The compiled extension module (raises if it cannot be built)."""
@@ -71,21 +93,36 @@ def cuda_extension():
     sources = [csrc_dir() / s for s in _SOURCES]
     build_dir = _cache_dir(sources + [csrc_dir() / h for h in _HEADERS])
     build_dir.mkdir(parents=True, exist_ok=True)
-    built = _import_built(build_dir / f"{_MODULE}.so")
+    module_path = build_dir / f"{_MODULE}.so"
+    built = _import_built(module_path)
     if built is not None:
         return built
-    if not any(build_dir.glob("*.so")):
-        print(f"twell: compiling the CUDA kernels into {build_dir} (first use only; this takes a minute or two)...",
-              file=sys.stderr, flush=True)
-    return load(
-        name=_MODULE,
-        sources=[str(s) for s in sources],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=_NVCC_FLAGS,
-        extra_include_paths=[str(csrc_dir())],
-        build_directory=str(build_dir),
-        verbose=False,
-    )
+    with _build_lock(build_dir):
+        built = _import_built(module_path)  # built by another process while this one waited
+        if built is not None:
+            return built
+        if not any(build_dir.glob("*.so")):
+            print(f"twell: compiling the CUDA kernels into {build_dir} (first use only; this takes a minute or "
+                  f"two)...", file=sys.stderr, flush=True)
+        return load(
+            name=_MODULE,
+            sources=[str(s) for s in sources],
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=_NVCC_FLAGS,
+            extra_include_paths=[str(csrc_dir())],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+
+
+@functools.cache
+def _build_failure() -> str | None:
+    """Why the extension cannot be built, or None; tried once per process (not once per GPU)."""
+    try:
+        cuda_extension()
+    except Exception as exc:  # a missing nvcc or a compile error: report it, run the reference
+        return f"building the CUDA extension failed: {type(exc).__name__}: {exc}"
+    return None
 
 
 @functools.cache
@@ -101,11 +138,7 @@ def _unavailable_reason(device_index: int) -> str | None:
         import triton  # noqa: F401
     except ImportError:
         return "Triton is not installed"
-    try:
-        cuda_extension()
-    except Exception as exc:  # a missing nvcc or a compile error: report it, run the reference
-        return f"building the CUDA extension failed: {type(exc).__name__}: {exc}"
-    return None
+    return _build_failure()
 
 
 @functools.cache

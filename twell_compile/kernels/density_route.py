@@ -54,7 +54,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import leases
-from .weight_cache import weight_key
+from .weight_cache import holds, weight_key
 
 ENTER_SHARES = ((1024, 0.05), (2048, 0.06), (4096, 0.30), (8192, 0.55), (16384, 0.75))
 """(rows, average dense-block share from which calls of that many rows go to cuBLAS), interpolated in
@@ -115,7 +115,10 @@ CAPTURE_WAIT_S = 2.0
 given before the capture began); past it, the route known by then is captured."""
 _NOT_LANDED = -1  # a report's host word until its copy lands
 _REPORT_WORDS = 1024
-_MAX_LAYERS = 1024
+_MAX_LAYERS = 1 << 16
+"""Layers the router keeps (least recently called first out): far past any model's, so that a model's
+layers (or a ReLU MoE's experts) called in turn are never evicted before their next call, which would
+make every call a first call that reports and is never routed. A layer costs a few hundred bytes."""
 
 
 class _ReportWords:
@@ -262,7 +265,7 @@ class DensityRouter:
     def _layer(self, weight: torch.Tensor, create: bool) -> _Layer | None:
         key = weight_key(weight)
         layer = self._layers.get(key)
-        if layer is not None and layer.ref.expired():
+        if layer is not None and not holds(layer.ref, weight):
             self._drop(key)
             layer = None
         if layer is None and create:

@@ -79,6 +79,13 @@ def weight_key(weight: torch.Tensor) -> tuple:
     return (weight.data_ptr(), weight.device, weight.dtype, weight.shape, weight.stride())
 
 
+def holds(ref: StorageWeakRef, weight: torch.Tensor) -> bool:
+    """Whether the storage ``ref`` was taken from is alive and is ``weight``'s: not merely alive. A
+    storage can outlive its memory (``storage.resize_(0)``, as FSDP frees unsharded parameters), and
+    another weight can then get the same address, so the same key."""
+    return not ref.expired() and ref.cdata == weight.untyped_storage()._cdata
+
+
 def _transpose(weight: torch.Tensor) -> torch.Tensor:
     return weight.t()
 
@@ -162,7 +169,7 @@ class DerivedWeightCache:
         capturing = _capturing(weight)
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry.ref.expired():
+            if entry is not None and not holds(entry.ref, weight):
                 del self._entries[key]
                 entry = None
             if entry is not None and entry.version == version:
