@@ -39,6 +39,7 @@ from .fx_utils import (
     is_relu,
     may_mutate,
     module_stack,
+    node_dtype,
     node_shape,
     shapes_equal,
     sizes_equal,
@@ -54,6 +55,7 @@ from .linear_match import (
     RowSlice,
     is_absorbed_by_user,
     match_linear,
+    operand_dtype,
     operand_name,
     operand_shape,
 )
@@ -231,6 +233,7 @@ class ReluMlpFusionPass:
         return (
             _escaping_value(match)
             or _shape_problem(match)
+            or _dtype_problem(match)
             or _mutation_inside(match, gm, position)
         )
 
@@ -507,6 +510,23 @@ def _shape_problem(block: _Block) -> str:
         expected = (*x_shape[:-1], weights["down"][0])
         if out_shape is not None and not shapes_equal(out_shape, expected):
             return f"block output has shape {format_shape(out_shape)}, expected {format_shape(expected)}"
+    return ""
+
+
+# The dtypes the twell ops take (twell_compile/validation.py, SUPPORTED_DTYPES; a test keeps them equal).
+OP_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _dtype_problem(block: _Block) -> str:
+    """A reason when a known dtype of x or of a weight or bias is one the ops do not take (an integer
+    MLP computes in eager, and would fail in the op)."""
+    operands = {"x": node_dtype(block.x)}
+    for label, linear in zip(("gate", "up", "down") if block.gate is not None else ("up", "down"), block.linears):
+        operands[f"{label} weight"] = operand_dtype(linear.weight)
+        operands[f"{label} bias"] = operand_dtype(linear.bias) if linear.bias is not None else None
+    for name, dtype in operands.items():
+        if dtype is not None and dtype not in OP_DTYPES:
+            return f"{name} has dtype {dtype}, which the twell ops do not take"
     return ""
 
 

@@ -1124,3 +1124,19 @@ def test_a_view_as_another_dtype_is_not_a_reshape():
     for mode in ("symbolic", "dynamo"):
         gm, inputs = capture(mode, Custom(integer_product), x3d())
         rewrite(gm, inputs, rewritten=0)
+
+
+def test_dtypes_the_ops_do_not_take_are_left_alone():
+    """An integer MLP computes in eager; the op would refuse it, so the block is left alone."""
+    from twell_compile.passes.relu_mlp_fusion import OP_DTYPES
+    from twell_compile.validation import SUPPORTED_DTYPES
+
+    assert set(OP_DTYPES) == set(SUPPORTED_DTYPES)
+
+    def integer_mlp(x, gate, up, down):
+        return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, gate)) *
+                                          torch.nn.functional.linear(x, up), down)
+
+    args = [torch.randint(-3, 3, shape) for shape in [(3, D), (F_, D), (F_, D), (D_OUT, F_)]]
+    gm, inputs = capture("dynamo", Custom(lambda m, x: integer_mlp(x, *args[1:])), args[0])
+    assert_left_alone(rewrite(gm, inputs, rewritten=0), "has dtype torch.int64, which the twell ops do not take")

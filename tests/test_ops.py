@@ -197,6 +197,33 @@ def test_cuda_kernels_take_the_reference_for_float32(name, monkeypatch):
     assert torch.equal({"gated": ops._gated_cuda, "relu": ops._relu_cuda}[name](*args), eager(*args))
 
 
+@pytest.mark.parametrize("sizes", [(0, 16, 4), (8, 0, 4), (8, 16, 0)], ids=["no_inputs", "no_units", "no_outputs"])
+def test_zero_sizes_are_exact_forward_and_backward(sizes, monkeypatch):
+    """No input features, units or outputs: the output is arithmetic on the biases (or empty), as eager
+    gives it, gradients included; the CUDA kernels (stood in for, as above) never see such a call."""
+    import torch.nn.functional as F
+
+    from twell_compile.kernels import build, twell_mlp
+
+    k, f, d = sizes
+    monkeypatch.setattr(build, "kernels_available", lambda device: True)
+    monkeypatch.setattr(twell_mlp, "twell_mlp", lambda *args: pytest.fail("zero sizes reach the kernels"))
+    shapes = [(3, k), (f, k), (f, k), (d, f), (f,), (f,), (d,)]
+    args = [torch.randn(*shape, requires_grad=True) for shape in shapes]
+    same = [a.detach().clone().requires_grad_() for a in args]
+    out = torch.ops.twell.gated_relu_mlp(*args)
+    x, gate_w, up_w, down_w, gate_b, up_b, down_b = same
+    expected = F.linear(F.relu(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    for got, want in zip(args, same):
+        torch.testing.assert_close(got.grad, want.grad)
+    half = [a.detach().to(torch.bfloat16) for a in args]
+    assert ops._gated_cuda(*half).shape == (3, d)
+    assert ops._relu_cuda(half[0], half[2], half[3], half[5], half[6]).shape == (3, d)
+
+
 # ---------------------------------------------------------------------------------------------------
 # forward numerics
 # ---------------------------------------------------------------------------------------------------

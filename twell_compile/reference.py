@@ -7,6 +7,8 @@ exactly the ops the rewritten model used, so on CPU the rewrite is bit-for-bit i
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,13 +39,14 @@ def relu_mlp(
     return F.linear(F.relu(F.linear(x, up_weight, up_bias)), down_weight, down_bias)
 
 
-def _flat(t: Tensor) -> Tensor:
-    """Leading dims folded into one, so weight gradients are a single matrix product."""
-    return t.reshape(-1, t.shape[-1])
+def flat(t: Tensor) -> Tensor:
+    """Leading dims folded into one, so weight gradients are a single matrix product. (Not
+    ``reshape(-1, n)``, which cannot infer the rows of a tensor with no elements.)"""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _bias_grad(grad: Tensor) -> Tensor:
-    return _flat(grad).sum(0)
+    return flat(grad).sum(0)
 
 
 def gated_relu_mlp_backward(
@@ -74,11 +77,11 @@ def gated_relu_mlp_backward(
     if needs[0]:
         grad_x = F.linear(grad_gate, gate_weight.t()) + F.linear(grad_up, up_weight.t())
     if needs[1]:
-        grad_gate_w = _flat(grad_gate).t() @ _flat(x)
+        grad_gate_w = flat(grad_gate).t() @ flat(x)
     if needs[2]:
-        grad_up_w = _flat(grad_up).t() @ _flat(x)
+        grad_up_w = flat(grad_up).t() @ flat(x)
     if needs[3]:
-        grad_down_w = _flat(grad_out).t() @ _flat(act * up)
+        grad_down_w = flat(grad_out).t() @ flat(act * up)
     if needs[4]:
         grad_gate_b = _bias_grad(grad_gate)
     if needs[5]:
@@ -105,9 +108,9 @@ def relu_mlp_backward(
     if needs[0]:
         grad_x = F.linear(grad_up, up_weight.t())
     if needs[1]:
-        grad_up_w = _flat(grad_up).t() @ _flat(x)
+        grad_up_w = flat(grad_up).t() @ flat(x)
     if needs[2]:
-        grad_down_w = _flat(grad_out).t() @ _flat(act)
+        grad_down_w = flat(grad_out).t() @ flat(act)
     if needs[3]:
         grad_up_b = _bias_grad(grad_up)
     if needs[4]:

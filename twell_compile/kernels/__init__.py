@@ -17,8 +17,11 @@ from . import build
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _use_kernels(x: Tensor) -> bool:
-    return x.dtype in _KERNEL_DTYPES and build.kernels_available(x.device)
+def _use_kernels(x: Tensor, act_weight: Tensor, down_weight: Tensor) -> bool:
+    """bf16/fp16 on a GPU the kernels run on, with every size nonzero but the rows (a call with no
+    input features, units or outputs is plain arithmetic on its biases: the reference does it)."""
+    return (x.dtype in _KERNEL_DTYPES and x.shape[-1] > 0 and act_weight.shape[0] > 0 and down_weight.shape[0] > 0
+            and build.kernels_available(x.device))
 
 
 def _record_reference_stats(op: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
@@ -28,7 +31,7 @@ def _record_reference_stats(op: str, x: Tensor, weight: Tensor, bias: Tensor | N
     if recorder is not None:
         pre_activation = torch.nn.functional.linear(x, weight, bias)
         active = stats.active_units(pre_activation)
-        recorder.add(op, active.reshape(-1, active.shape[-1]).sum(1), active.shape[-1], path="reference")
+        recorder.add(op, reference.flat(active).sum(1), active.shape[-1], path="reference")
 
 
 def reference_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) -> Tensor:
@@ -60,12 +63,12 @@ def _twell_mlp_on_its_device(x: Tensor, *args) -> Tensor:
 
 
 def cuda_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) -> Tensor:
-    if _use_kernels(x):
+    if _use_kernels(x, gate_weight, down_weight):
         return _twell_mlp_on_its_device(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias)
     return reference_gated_relu_mlp(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
 
 
 def cuda_relu_mlp(x, up_weight, down_weight, up_bias, down_bias) -> Tensor:
-    if _use_kernels(x):
+    if _use_kernels(x, up_weight, down_weight):
         return _twell_mlp_on_its_device(x, up_weight, up_bias, None, None, down_weight, down_bias)
     return reference_relu_mlp(x, up_weight, down_weight, up_bias, down_bias)
