@@ -129,6 +129,7 @@ def main() -> None:
         parser.error("--profile takes at most half of --steps steps (it feeds them twice, warm-up and profiled)")
 
     import twell_compile  # registers backend="twell"
+    from twell_compile.backend import clear_reports
 
     torch.manual_seed(0)
     model = build_model(args.layers, args.nnz, max(args.prompt, 64), args.device, args.hidden, args.intermediate,
@@ -144,6 +145,7 @@ def main() -> None:
             tokens = torch.randint(0, args.vocab, (batch, args.warmup + args.steps), device=args.device)
             dense, dense_last, dense_kernels = decode_run(model, "inductor", args.mode, prompt, tokens, args.warmup,
                                                           args.rounds, args.device, args.profile)
+            clear_reports()  # (reports pile up across batches: count this batch's only)
             twell, twell_last, twell_kernels = decode_run(model, "twell", args.mode, prompt, tokens, args.warmup,
                                                           args.rounds, args.device, args.profile)
             for label, kernels in (("dense", dense_kernels), ("twell", twell_kernels)):
