@@ -121,3 +121,19 @@ def test_an_entry_serves_only_the_storage_it_was_made_from(monkeypatch):
     old.untyped_storage().resize_(0)  # the storage object lives on
     new = torch.full((16, 8), 2.0)
     assert torch.equal(cache.get(new), new.t())
+
+
+def test_weights_changed_leaves_a_pinned_copy_whose_weight_moved(monkeypatch):
+    """``p.data = other`` gives the weight other memory (maybe another shape): the copy the graphs read
+    is left as it is, and the weight's next call gets its own entry."""
+    cache = _cache()
+    weight = torch.nn.Parameter(torch.randn(16, 8))
+    first = cache.get(weight)
+    _capturing(monkeypatch, True)
+    cache.get(weight)
+    _capturing(monkeypatch, False)
+    kept = first.clone()
+    weight.data = torch.randn(32, 8)
+    cache.clear()  # no error, and the pinned copy untouched
+    assert torch.equal(first, kept)
+    assert torch.equal(cache.get(weight), weight.detach().t())

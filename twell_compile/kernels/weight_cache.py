@@ -224,9 +224,11 @@ class DerivedWeightCache:
         with self._lock:
             pinned = {key: entry for key, entry in self._entries.items() if entry.pinned and not entry.ref.expired()}
             self._entries = OrderedDict(pinned)
-        for entry in pinned.values():
+        for key, entry in pinned.items():
             source = entry.source() if entry.source is not None else None
-            if source is not None:
+            # (only from the same storage and shape: a weight given other memory, ``p.data = t``, is no
+            # longer what the graphs read)
+            if source is not None and weight_key(source) == key and holds(entry.ref, source):
                 entry.derived.copy_(self._layout(source).detach())
                 version = _version(source)
                 entry.version = -1 if version is None else version
