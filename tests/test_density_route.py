@@ -417,3 +417,17 @@ def test_a_layer_is_its_storage_not_its_address(monkeypatch):
     new = torch.randn(8, 4)
     assert router.share(new, "small") is None
     assert router.decide(new, "small", 8, 1024) == (False, True)  # a first call: TwELL, and it reports
+
+
+def test_a_report_whose_copy_fails_leaves_nothing_pending(monkeypatch):
+    class FailingCount:  # stands in for a CUDA count whose copy fails
+        is_cuda = True
+
+    router, weight = DensityRouter(), torch.randn(8, 4)
+    router._words = _ReportWords(4, pinned=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with pytest.raises(TypeError):
+        router.report(weight, "small", FailingCount(), 8)
+    layer = router._layer(weight, create=False)
+    assert layer is None or not layer.pending
+    assert router.lease_calls(weight, "small", 8) == 0  # (no layer state yet: no lease either way)

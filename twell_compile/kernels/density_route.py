@@ -238,9 +238,14 @@ class DensityRouter:
             word = self._words.take()
             if word is None:  # every word in flight
                 return
+            # 4 aligned bytes, on the current stream after the count: they land whole. Queued before the
+            # report is listed: a copy that failed would leave the layer waiting on a word never written.
+            try:
+                self._words.tensor[word].copy_(dense_blocks, non_blocking=True)
+            except BaseException:
+                self._words.abandon([word])  # (reused only once it holds a count, so never)
+                raise
             self._layer(weight, create=True).pending.append((size_class, word, blocks))
-            # 4 aligned bytes, on the current stream after the count: they land whole.
-            self._words.tensor[word].copy_(dense_blocks, non_blocking=True)
 
     def share(self, weight: torch.Tensor, size_class: str) -> float | None:
         """The average dense-block share read so far for this layer and class (None: no report yet)."""
