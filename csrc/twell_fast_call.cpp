@@ -76,14 +76,16 @@ struct OperandSignature {
 using StorageRef = c10::weak_intrusive_ptr<c10::StorageImpl>;
 
 StorageRef storage_ref(const at::Tensor& t) { return StorageRef(t.storage().getWeakStorageImpl()); }
-const c10::StorageImpl* storage_of(const at::Tensor& t) { return t.storage().unsafeGetStorageImpl(); }
+
+// Whether t's storage is the one `ref` was taken from (not only one at the same address: a storage can
+// outlive its memory, resize_(0) as FSDP frees unsharded parameters, and another weight then get the
+// address). The weak reference keeps that storage object allocated, so no other can take its place.
+bool same_storage(const StorageRef& ref, const at::Tensor& t) {
+  return ref._unsafe_get_target() == t.storage().unsafeGetStorageImpl();
+}
 
 struct Lease {
   std::optional<StorageRef> act_ref, up_ref, down_ref;
-  // The storages themselves: a storage can outlive its memory (resize_(0), as FSDP frees unsharded
-  // parameters) and another weight then get the same address. (The weak references keep these
-  // objects allocated, so no other storage can have their addresses meanwhile.)
-  const c10::StorageImpl *act_storage = nullptr, *up_storage = nullptr, *down_storage = nullptr;
   OperandSignature act, act_bias, up, up_bias, down, down_bias;
   std::optional<c10::VariableVersion> down_counter;  // W_down's version counter (shared with the tensor)
   uint32_t down_version = 0;
@@ -138,9 +140,6 @@ bool grant_lease(const at::Tensor& x, const at::Tensor& w_act, const c10::option
   lease.act_ref = storage_ref(w_act);
   if (w_up.has_value()) lease.up_ref = storage_ref(*w_up);
   lease.down_ref = storage_ref(w_down);
-  lease.act_storage = storage_of(w_act);
-  lease.up_storage = w_up.has_value() ? storage_of(*w_up) : nullptr;
-  lease.down_storage = storage_of(w_down);
   lease.act = OperandSignature::of(w_act);
   lease.act_bias = OperandSignature::of(b_act);
   lease.up = OperandSignature::of(w_up);
@@ -225,8 +224,8 @@ c10::optional<at::Tensor> fast_mlp(const at::Tensor& x, const at::Tensor& w_act,
         !lease.up_bias.matches(b_up) || !lease.down.matches(w_down) || !lease.down_bias.matches(b_down)) {
       return c10::nullopt;
     }
-    if (storage_of(w_act) != lease.act_storage || storage_of(w_down) != lease.down_storage ||
-        (w_up.has_value() && storage_of(*w_up) != lease.up_storage)) {
+    if (!same_storage(*lease.act_ref, w_act) || !same_storage(*lease.down_ref, w_down) ||
+        (w_up.has_value() && !same_storage(*lease.up_ref, *w_up))) {
       return c10::nullopt;
     }
     // Same data pointers, sizes and strides; the rest of a tensor's identity (dtype and device too,

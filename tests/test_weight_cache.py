@@ -113,8 +113,9 @@ def test_a_strided_w_down_is_cached_as_given(monkeypatch, inference):
 def test_an_entry_serves_only_the_storage_it_was_made_from(monkeypatch):
     """A storage can outlive its memory (``resize_(0)``, as FSDP frees unsharded parameters), and a new
     weight then get the old one's address, so its key: the entry must not serve it. The address
-    reuse is stood in for by one key for every weight."""
-    monkeypatch.setattr(weight_cache, "weight_key", lambda weight: ("one key",))
+    reuse is stood in for by one address for every weight."""
+    real_key = weight_cache.weight_key
+    monkeypatch.setattr(weight_cache, "weight_key", lambda weight: ("one address", *real_key(weight)[1:]))
     cache = _cache()
     old = torch.ones(16, 8)
     cache.get(old)

@@ -54,7 +54,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import leases
-from .weight_cache import holds, weight_key
+from .weight_cache import weight_key
 
 ENTER_SHARES = ((1024, 0.05), (2048, 0.06), (4096, 0.30), (8192, 0.55), (16384, 0.75))
 """(rows, average dense-block share from which calls of that many rows go to cuBLAS), interpolated in
@@ -108,6 +108,8 @@ def next_report_call(calls: int, report_every: int) -> int:
         return calls
     every = max(report_every, 1)
     return -(-calls // every) * every
+
+
 MAX_PENDING = 4
 """Reports in flight per layer; past it a call makes none (the GPU is far behind the host)."""
 CAPTURE_WAIT_S = 2.0
@@ -270,7 +272,7 @@ class DensityRouter:
     def _layer(self, weight: torch.Tensor, create: bool) -> _Layer | None:
         key = weight_key(weight)
         layer = self._layers.get(key)
-        if layer is not None and not holds(layer.ref, weight):
+        if layer is not None and layer.ref.expired():
             self._drop(key)
             layer = None
         if layer is None and create:

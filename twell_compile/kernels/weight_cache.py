@@ -23,7 +23,7 @@ ones, and so does every call after an update the version counter does not see (w
 ``.data``, say): ``weights_changed`` (``twell_compile.weights_changed``, and after every optimizer
 step by itself) refills the pinned entries and drops the others.
 
-Entries of weights that are not views are dropped as soon as the weight is freed (a weak reference's
+Entries of weights that are not views are dropped as soon as the weight is freed (their weak reference's
 callback); the others, and pinned ones, when the next entry is filled.
 """
 
@@ -74,16 +74,13 @@ def _empty_outside_graph_pools(shape: tuple[int, ...], like: torch.Tensor) -> to
 
 
 def weight_key(weight: torch.Tensor) -> tuple:
-    """What identifies a weight to the caches (and to density_route.py) while its storage is alive."""
+    """What identifies a weight to the caches (and to density_route.py) while its storage is alive: its
+    address and its storage object too, since a storage can outlive its memory (``storage.resize_(0)``,
+    as FSDP frees unsharded parameters) and another weight then get the same address. (An entry's weak
+    reference keeps its storage object allocated, so no other storage can take that object's place.)"""
     # (torch.Size is a tuple and stride() returns one: no conversions, this runs several times a call)
-    return (weight.data_ptr(), weight.device, weight.dtype, weight.shape, weight.stride())
-
-
-def holds(ref: StorageWeakRef, weight: torch.Tensor) -> bool:
-    """Whether the storage ``ref`` was taken from is alive and is ``weight``'s: not merely alive. A
-    storage can outlive its memory (``storage.resize_(0)``, as FSDP frees unsharded parameters), and
-    another weight can then get the same address, so the same key."""
-    return not ref.expired() and ref.cdata == weight.untyped_storage()._cdata
+    return (weight.data_ptr(), weight.untyped_storage()._cdata, weight.device, weight.dtype, weight.shape,
+            weight.stride())
 
 
 def _transpose(weight: torch.Tensor) -> torch.Tensor:
@@ -136,17 +133,17 @@ def _capturing(weight: torch.Tensor) -> bool:
 class _Entry:
     """A derived weight: its source's storage (weakly), the source's version it was made from, the copy,
     its fill (CUDA), whether a captured graph reads it (pinned), and the source itself (weakly) where
-    it is no view, so that ``clear`` can refill a pinned copy."""
+    it is no view: ``clear`` refills a pinned copy from it, and ``on_freed`` runs when it is freed."""
 
     __slots__ = ("ref", "version", "derived", "fill", "pinned", "source")
 
-    def __init__(self, weight: torch.Tensor, version: int, derived: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, version: int, derived: torch.Tensor, on_freed):
         self.ref = StorageWeakRef(weight.untyped_storage())
         self.version = version
         self.derived = derived
         self.fill = _Fill(weight.device) if weight.is_cuda else None
         self.pinned = False
-        self.source = weakref.ref(weight) if weight._base is None else None
+        self.source = weakref.ref(weight, on_freed) if weight._base is None else None
 
 
 class DerivedWeightCache:
@@ -159,7 +156,6 @@ class DerivedWeightCache:
         self._max_entries = max_entries
         # Reentrant: a weight's callback (_forget) may run from a garbage collection inside a locked block.
         self._lock = threading.RLock()
-        self._watched: dict[int, weakref.ref] = {}  # id(weight) -> a reference whose callback drops its entry
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         version = _version(weight)
@@ -169,7 +165,7 @@ class DerivedWeightCache:
         capturing = _capturing(weight)
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and not holds(entry.ref, weight):
+            if entry is not None and entry.ref.expired():
                 del self._entries[key]
                 entry = None
             if entry is not None and entry.version == version:
@@ -194,25 +190,22 @@ class DerivedWeightCache:
         derived = _empty_outside_graph_pools(tuple(view.shape), weight)
         derived.copy_(view)
         with self._lock:
-            self._entries[key] = _Entry(weight, version, derived)
+            # (the callback holds the key, not the entry: a replaced entry's reference dies with it, unrun)
+            self._entries[key] = _Entry(weight, version, derived, lambda ref, k=key: self._forget(k, ref))
             for stale in [k for k, e in self._entries.items() if e.ref.expired()]:
                 del self._entries[stale]
             unpinned = (k for k, e in list(self._entries.items()) if not e.pinned)
             while len(self._entries) > self._max_entries and (oldest := next(unpinned, None)) is not None:
                 del self._entries[oldest]
-        if weight._base is None:  # dropped with its weight (a view's entry goes at a later fill)
-            watched = self._watched.get(id(weight))
-            if watched is None or watched() is not weight:
-                self._watched[id(weight)] = weakref.ref(weight, lambda _, i=id(weight), k=key: self._forget(i, k))
         return derived
 
-    def _forget(self, weight_id: int, key: tuple) -> None:
-        """The weight of ``key`` is freed: its entry goes, unless a captured graph reads it (then it goes
-        once its storage is gone too, at a later fill; at this point the storage is not freed yet)."""
+    def _forget(self, key: tuple, source: weakref.ref) -> None:
+        """The weight of ``key``'s entry is freed: the entry goes (a view's entry goes at a later fill),
+        unless a captured graph reads it (then it goes once its storage is gone too, at a later fill; at
+        this point the storage is not freed yet)."""
         with self._lock:
-            self._watched.pop(weight_id, None)
             entry = self._entries.get(key)
-            if entry is not None and not entry.pinned:
+            if entry is not None and entry.source is source and not entry.pinned:
                 del self._entries[key]
 
     def clear(self) -> None:
@@ -228,7 +221,7 @@ class DerivedWeightCache:
             source = entry.source() if entry.source is not None else None
             # (only from the same storage and shape: a weight given other memory, ``p.data = t``, is no
             # longer what the graphs read)
-            if source is not None and weight_key(source) == key and holds(entry.ref, source):
+            if source is not None and weight_key(source) == key:
                 entry.derived.copy_(self._layout(source).detach())
                 version = _version(source)
                 entry.version = -1 if version is None else version
