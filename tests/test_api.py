@@ -186,6 +186,25 @@ def test_explain_counts_graph_breaks_and_can_stay_quiet(capsys):
     assert [r.rewritten_count for r in result.graph_reports] == [1, 1]
 
 
+def test_explain_runs_its_ops_with_the_density_router_paused(monkeypatch):
+    """explain's analysis run must not take or set a layer's route (density_route.paused): a model later
+    compiled would otherwise start from the routes of the example inputs."""
+    from twell_compile import kernels
+    from twell_compile.kernels import density_route
+
+    seen = []
+    real = kernels.reference_gated_relu_mlp
+
+    def spy(*args):
+        seen.append(getattr(density_route._PAUSED, "on", False))
+        return real(*args)
+
+    monkeypatch.setattr(kernels, "reference_gated_relu_mlp", spy)
+    twell_compile.explain(GatedMLP(HIDDEN, INTER), _x(2, 3), print_report=False)
+    assert seen == [True]
+    assert getattr(density_route._PAUSED, "on", False) is False  # and restored after
+
+
 def test_explain_graph_module():
     traced = fx.symbolic_trace(ReluMLP(HIDDEN, INTER))
     result = twell_compile.explain(traced, _x(2), print_report=False)

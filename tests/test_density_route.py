@@ -6,6 +6,7 @@ test_cuda_density_route.py."""
 from __future__ import annotations
 
 import gc
+import time
 import types
 
 import pytest
@@ -131,9 +132,52 @@ def test_a_capture_waits_for_the_reports_in_flight():
     assert layer.pending
     lander = threading.Timer(0.05, lambda: words.tensor.fill_(8))
     lander.start()
-    router._read_landed(layer, wait_s=density_route.CAPTURE_WAIT_S)
+    router._await_reports(weight, density_route.CAPTURE_WAIT_S)
     lander.join()
     assert not layer.pending and router.share(weight, "small") == 1.0
+
+
+def test_a_capture_waiting_for_reports_does_not_hold_up_other_calls(monkeypatch):
+    """The wait holds the router's lock only to read: another thread's calls (here another layer's, not
+    captured) are decided meanwhile, and the captured call still takes the route its reports give."""
+    import threading
+
+    router = DensityRouter()
+    captured, other = torch.randn(8, 4), torch.randn(8, 4)
+    router._words = words = _ReportWords(1, pinned=False)
+    router.decide(captured, "small", 8, 1024)
+    router._layer(captured, create=False).pending.append(("small", words.take(), 8))
+    monkeypatch.setattr(density_route, "_capturing", lambda weight: weight is captured)
+    result = {}
+    waiter = threading.Thread(target=lambda: result.setdefault("captured", router.decide(captured, "small", 8, 1024)))
+    waiter.start()
+    time.sleep(0.05)
+    assert waiter.is_alive()  # waiting for the report
+    started = time.monotonic()
+    assert router.decide(other, "small", 8, 1024) == (False, True)  # not held up by the wait
+    assert time.monotonic() - started < 0.5
+    words.tensor.fill_(8)  # the report lands: every block dense
+    waiter.join(timeout=density_route.CAPTURE_WAIT_S)
+    assert result["captured"] == (True, False)  # cuBLAS, and a captured call never reports
+
+
+def test_paused_calls_neither_read_nor_feed_the_router():
+    """``paused()`` (explain's analysis run): calls take the row count's route and leave no trace."""
+    router, weight = DensityRouter(), torch.randn(8, 4)
+    for _ in range(2):
+        _report(router, weight, "small", 8)
+    assert router.decide(weight, "small", 8, 1024)[0] is True
+    calls = router._layer(weight, create=False).classes["small"].calls
+    fresh = torch.randn(8, 4)
+    with density_route.paused():
+        assert router.decide(weight, "small", 8, 1024) == (False, False)
+        assert router.lease_calls(weight, "small", 8) == 0
+        _report(router, weight, "small", 0)
+        router.count_calls(weight, "small", 5)
+        assert router.decide(fresh, "small", 8, 1024) == (False, False)
+    assert router._layer(weight, create=False).classes["small"].calls == calls
+    assert router.share(weight, "small") == 1.0 and len(router) == 1  # no report read, no layer added
+    assert router.decide(weight, "small", 8, 1024)[0] is True
 
 
 def test_words_of_a_dropped_layer_come_back_once_landed():

@@ -412,3 +412,25 @@ def test_the_cuda_kernel_offers_each_call_to_its_lease_first(monkeypatch):
     assert len(offered) == 3
     with pytest.raises(ValueError, match="down_weight"):
         ops._gated_cuda(x, gate, up, torch.randn(4, 15))  # not covered: the Python path's checks run
+
+
+def test_dtypes_the_kernels_do_not_take_run_the_reference_and_say_so_once(monkeypatch):
+    """A float32 (or float64) call of the CUDA kernel runs the dense reference: exact, but with no
+    speed-up, so it warns once per dtype, naming the cure. (Called on CPU tensors here: the check comes
+    before anything touches a GPU.)"""
+    import warnings
+
+    from twell_compile import kernels, reference
+
+    kernels._warn_dtype_once.cache_clear()
+    monkeypatch.setattr(kernels.build, "kernels_available", lambda device: pytest.fail("dtype is checked first"))
+    x, wg, wu, wd = torch.randn(3, 8), torch.randn(16, 8), torch.randn(16, 8), torch.randn(8, 16)
+    with pytest.warns(RuntimeWarning, match=r"torch.float32 inputs run the dense PyTorch reference on CUDA.*bfloat16"):
+        out = kernels.cuda_gated_relu_mlp(x, wg, wu, wd, None, None, None)
+    torch.testing.assert_close(out, reference.gated_relu_mlp(x, wg, wu, wd))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per dtype
+        kernels.cuda_relu_mlp(x, wu, wd, None, None)
+    with pytest.warns(RuntimeWarning, match="torch.float64"):
+        kernels.cuda_relu_mlp(x.double(), wu.double(), wd.double(), None, None)
+    kernels._warn_dtype_once.cache_clear()

@@ -116,7 +116,8 @@ def explain(
 
     An ``nn.Module`` is captured with Dynamo on ``example_inputs``, exactly as ``torch.compile``
     would hand it to the backend, and the rewritten graph is run once eagerly to report the active
-    units per row each twell op saw; nothing is compiled and the model is not changed. FX graphs and
+    units per row each twell op saw; nothing is compiled and the model is not changed (nor are its
+    layers' density routes: that run's ops take the route their row count gives and report nothing). FX graphs and
     exported programs are analysed directly (their copy is rewritten, not the original).
     """
     twell_options = _twell_options(options)
@@ -124,6 +125,7 @@ def explain(
         _, report = rewrite(model, *example_inputs, options=twell_options)
         result = ExplainReport([report], graph_break_count=0)
     else:
+        from .kernels import density_route
         from .stats import record_sparsity
 
         captured: list[RewriteReport] = []
@@ -133,9 +135,10 @@ def explain(
             captured.append(run_passes(rewritten, twell_options))
             return rewritten.forward  # run eagerly, so the twell ops record their sparsity
 
-        # A fresh compile of the model with a backend that only analyses; the model is run once.
+        # A fresh compile of the model with a backend that only analyses; the model is run once, with the
+        # density router paused, so that this run neither takes nor sets any layer's route.
         compiled = torch.compile(model, backend=analyse)
-        with torch.no_grad(), record_sparsity() as recorder:
+        with torch.no_grad(), record_sparsity() as recorder, density_route.paused():
             compiled(*example_inputs)
         result = ExplainReport(captured, graph_break_count=max(len(captured) - 1, 0),
                                sparsity=recorder.table() if recorder.calls() else None)

@@ -2,11 +2,15 @@
 
 ``ops.py`` calls ``cuda_gated_relu_mlp`` / ``cuda_relu_mlp`` for CUDA tensors. bfloat16 and float16
 inputs run the TwELL kernels (``twell_mlp.py``: wgmma gate GEMM with packing epilogue, sparse up/down
-and dense-block path, built from ``csrc/``; Triton kernels for unaligned shapes) on Hopper; float32/float64 inputs, and GPUs or machines where the kernels
-cannot run (reported once as a warning), use the plain-PyTorch reference on the same device.
+and dense-block path, built from ``csrc/``; Triton kernels for unaligned shapes) on Hopper. float32 and
+float64 inputs (warned about once per dtype), and GPUs or machines where the kernels cannot run (reported
+once as a warning), use the plain-PyTorch reference on the same device.
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 from torch import Tensor
@@ -19,9 +23,21 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 def _use_kernels(x: Tensor, act_weight: Tensor, down_weight: Tensor) -> bool:
     """bf16/fp16 on a GPU the kernels run on, with every size nonzero but the rows (a call with no
-    input features, units or outputs is plain arithmetic on its biases: the reference does it)."""
-    return (x.dtype in _KERNEL_DTYPES and x.shape[-1] > 0 and act_weight.shape[0] > 0 and down_weight.shape[0] > 0
+    input features, units or outputs is plain arithmetic on its biases: the reference does it). Other
+    dtypes are warned about once each: a float32 model compiled with the backend would otherwise run
+    dense, with no sign of why."""
+    if x.dtype not in _KERNEL_DTYPES:
+        _warn_dtype_once(x.dtype)
+        return False
+    return (x.shape[-1] > 0 and act_weight.shape[0] > 0 and down_weight.shape[0] > 0
             and build.kernels_available(x.device))
+
+
+@functools.cache
+def _warn_dtype_once(dtype: torch.dtype) -> None:
+    warnings.warn(f"twell: {dtype} inputs run the dense PyTorch reference on CUDA; the TwELL kernels take "
+                  "bfloat16 and float16 (cast the model, e.g. model.to(torch.bfloat16), or run it under "
+                  "torch.autocast).", RuntimeWarning, stacklevel=4)
 
 
 def _record_reference_stats(op: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:

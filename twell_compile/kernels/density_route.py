@@ -30,7 +30,8 @@ A layer is its activated projection's weight (the gate's, or the up projection's
 keyed as the weight caches key it: by storage, checked alive with a weak reference, so a freed weight
 whose address is reused starts afresh; nothing is keyed by layer numbers. A call captured in a CUDA
 graph makes no report and takes the route its layer's reports give once all of them have landed: the
-capture waits for them (host memory only, at most ``CAPTURE_WAIT_S``), since the graph keeps that route
+capture waits for them (host memory only, at most ``CAPTURE_WAIT_S``, without holding the router's lock,
+so other threads' calls go on), since the graph keeps that route
 for every replay. torch.compile's ``mode="reduce-overhead"`` records its graph on its second call,
 right after one warm-up call, whose reports are the ones waited for; capture is not the hot path.
 
@@ -42,6 +43,7 @@ path its row count picks.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -178,14 +180,19 @@ class DensityRouter:
         self._words: _ReportWords | None = None  # allocated at the first report from a GPU
 
     def decide(self, weight: torch.Tensor, size_class: str, report_every: int, rows: int) -> tuple[bool, bool]:
-        """(whether this call of ``rows`` rows goes to cuBLAS, whether it should report its dense-block share)."""
-        capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
+        """(whether this call of ``rows`` rows goes to cuBLAS, whether it should report its dense-block share).
+        Inside ``paused()``: (False, False), and the router is left as it was."""
+        if getattr(_PAUSED, "on", False):
+            return False, False
+        capturing = _capturing(weight)
+        if capturing:
+            self._await_reports(weight, CAPTURE_WAIT_S)
         with self._lock:
             layer = self._layer(weight, create=not capturing)
             if layer is None:
                 return False, False
             if layer.pending:
-                self._read_landed(layer, wait_s=CAPTURE_WAIT_S if capturing else 0.0)
+                self._read_landed(layer)
             state = layer.classes.get(size_class)  # (setdefault would build a _ClassState every call)
             if state is None:
                 state = layer.classes[size_class] = _ClassState()
@@ -205,6 +212,8 @@ class DensityRouter:
         change meanwhile: only a report moves the share, and only a call on the Python path (of another
         row count, through the hysteresis) can flip the route, and every such call ends the layer's lease
         first. The calls a lease serves are added then (``count_calls``)."""
+        if getattr(_PAUSED, "on", False):
+            return 0
         with self._lock:
             layer = self._layer(weight, create=False)
             if layer is None or layer.pending:
@@ -214,6 +223,8 @@ class DensityRouter:
 
     def count_calls(self, weight: torch.Tensor, size_class: str, calls: int) -> None:
         """Counts ``calls`` calls of the class that a lease served without asking (``leases.py``)."""
+        if getattr(_PAUSED, "on", False):
+            return
         with self._lock:
             layer = self._layer(weight, create=False)
             state = None if layer is None else layer.classes.get(size_class)
@@ -223,7 +234,10 @@ class DensityRouter:
     def report(self, weight: torch.Tensor, size_class: str, dense_blocks: torch.Tensor, blocks: int) -> None:
         """A call's count of dense blocks (a 0-d integer tensor on the call's device) out of ``blocks``.
         On a CUDA device it is copied on the current stream and read at a later call, once landed;
-        elsewhere it is read at once. The layer's lease, if any, is revoked: its route may change."""
+        elsewhere it is read at once. The layer's lease, if any, is revoked: its route may change.
+        Inside ``paused()`` nothing is recorded."""
+        if getattr(_PAUSED, "on", False):
+            return
         leases.revoke(weight)
         if blocks <= 0:
             return
@@ -268,6 +282,23 @@ class DensityRouter:
     def __len__(self) -> int:
         return len(self._layers)
 
+    def _await_reports(self, weight: torch.Tensor, wait_s: float) -> None:
+        """Waits up to ``wait_s`` for the layer's reports in flight to land, reading them as they do. The
+        lock is held only to read: other threads' calls (of other layers, or not captured) go on
+        meanwhile."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._lock:
+                layer = self._layer(weight, create=False)
+                if layer is None or not layer.pending:
+                    return
+                self._read_landed(layer)
+                if not layer.pending:
+                    return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(50e-6)
+
     # Callers hold the lock.
     def _layer(self, weight: torch.Tensor, create: bool) -> _Layer | None:
         key = weight_key(weight)
@@ -290,18 +321,13 @@ class DensityRouter:
         if layer.pending:
             self._words.abandon(word for _, word, _ in layer.pending)
 
-    def _read_landed(self, layer: _Layer, wait_s: float = 0.0) -> None:
-        """Reads the layer's reports whose copies have landed, oldest first (host memory only); with
-        ``wait_s``, waits up to that long for all of them."""
-        deadline = time.monotonic() + wait_s
+    def _read_landed(self, layer: _Layer) -> None:
+        """Reads the layer's reports whose copies have landed, oldest first (host memory only)."""
         while layer.pending:
             size_class, word, blocks = layer.pending[0]
             dense = self._words.landed(word)
             if dense is None:
-                if time.monotonic() >= deadline:
-                    return
-                time.sleep(50e-6)
-                continue
+                return
             layer.pending.pop(0)
             self._words.release(word)
             self._update(layer.classes.setdefault(size_class, _ClassState()), dense / blocks)
@@ -309,6 +335,26 @@ class DensityRouter:
     @staticmethod
     def _update(state: _ClassState, share: float) -> None:
         state.share = share if state.share is None else 0.5 * (state.share + share)
+
+
+def _capturing(weight: torch.Tensor) -> bool:
+    return weight.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+_PAUSED = threading.local()
+
+
+@contextlib.contextmanager
+def paused():
+    """Calls made inside (on this thread) neither read nor feed the router: they take the route their
+    row count gives, report nothing and get no lease counted. For runs that must leave the model's
+    routing as they found it, such as ``twell_compile.explain``'s analysis run."""
+    before = getattr(_PAUSED, "on", False)
+    _PAUSED.on = True
+    try:
+        yield
+    finally:
+        _PAUSED.on = before
 
 
 ROUTER = DensityRouter()
