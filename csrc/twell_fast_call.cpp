@@ -15,8 +15,9 @@
 // calls, and may grant a new one: a lease never outlives a call it did not serve, which the router
 // counted and which may have changed the layer's route. Python also revokes leases whenever what they
 // were derived from may change: the settings, the router's state, the weight caches.
-// A lease that finds W_down changed, or whose call mlp_forward declines, is spent, not erased: it
-// serves no more calls and lets its W_down^T go, but keeps its count of served calls for end_lease.
+// A lease that finds W_down changed is spent, not erased: it serves no more calls and lets its W_down^T
+// go, but keeps its count of served calls for end_lease. A call mlp_forward declines is not counted as
+// served: the Python path takes it and ends the lease.
 //
 // A lease is keyed by its activated projection's weight (the gate's, or the up projection's when not
 // gated), as the router keys its layers: the storage's data pointer, with a weak reference to the

@@ -71,7 +71,10 @@ def match_linear_piece(node: object, gm: fx.GraphModule | None) -> LinearMatch |
     if pieces is None or not -len(pieces) <= index < len(pieces):
         return None
     # Pieces nothing reads (symbolic_trace keeps ``_`` of ``gate, _ = t.chunk(2, -1)``) go with the block.
-    unread = tuple(p for p in split.users if p is not node and not p.users)
+    # Only pieces taken by indexing: any other reader with no users (the graph's output, a call for its
+    # side effect) is not the block's to remove.
+    unread = tuple(p for p in split.users
+                   if p is not node and not p.users and p.op == "call_function" and p.target is operator.getitem)
     return _rows_of(linear, pieces[index], node, (split, *unread), f"{kind} piece of {linear.spelling}")
 
 

@@ -307,6 +307,28 @@ def _inplace_flag(node: fx.Node) -> bool:
     return position is not None and position < len(node.args) and node.args[position] is True
 
 
+# Calls Dynamo records where a torch.func grad or jvp transform, or a forward-mode AD level, begins and
+# ends. The twell ops' autograd supports neither (it is a reverse-mode autograd.Function without a jvp),
+# so blocks between them are left alone. (vmap runs the ops through its per-sample fallback.)
+_TRANSFORM_BEGINS = frozenset({"_grad_increment_nesting", "_jvp_increment_nesting", "_enter_dual_level"})
+_TRANSFORM_ENDS = frozenset({"_grad_decrement_nesting", "_jvp_decrement_nesting", "_exit_dual_level"})
+
+
+def nodes_inside_autodiff_transforms(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes that run inside a torch.func grad or jvp transform or a forward-mode AD level."""
+    inside: set[fx.Node] = set()
+    depth = 0
+    for node in graph.nodes:
+        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        if name in _TRANSFORM_BEGINS:
+            depth += 1
+        elif name in _TRANSFORM_ENDS:
+            depth = max(depth - 1, 0)
+        elif depth:
+            inside.add(node)
+    return inside
+
+
 def may_mutate(node: fx.Node, gm: fx.GraphModule | None) -> bool:
     """Conservatively: could running ``node`` change a tensor or global state another node reads?"""
     if node.op == "call_function":
@@ -318,8 +340,9 @@ def may_mutate(node: fx.Node, gm: fx.GraphModule | None) -> bool:
             return True
         if node.kwargs.get("out") is not None or _inplace_flag(node):
             return True
+        # (private in-place functions too: torch._foreach_add_, torch._fused_adam_, ...; dunders are not)
         name = getattr(target, "__name__", "")
-        return name.endswith("_") and not name.startswith("_")
+        return name.endswith("_") and not name.endswith("__")
     if node.op == "call_method":
         name = node.target
         return (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDER_METHODS

@@ -36,6 +36,7 @@ from .fx_utils import (
     is_call,
     is_clamp_relu,
     is_inplace_call,
+    nodes_inside_autodiff_transforms,
     is_relu,
     may_mutate,
     module_stack,
@@ -150,6 +151,7 @@ class ReluMlpFusionPass:
     def __call__(self, gm: fx.GraphModule) -> list[CandidateBlock]:
         graph = gm.graph
         position = {node: i for i, node in enumerate(graph.nodes)}
+        self._in_transforms = nodes_inside_autodiff_transforms(graph)
         found = [m for m in (self._match_at(node, gm) for node in list(graph.nodes)) if m is not None]
         # Everything is judged and printed on the graph as it was, before any rewrite changes it.
         planned = [
@@ -217,13 +219,19 @@ class ReluMlpFusionPass:
             return f"activation is {activation.name}, not relu"
         if not is_relu(activation.node, gm):
             return f"relu call {activation.node.name} has unexpected arguments"
-        if is_clamp_relu(activation.node) and torch.is_grad_enabled():
+        if is_clamp_relu(activation.node) and _gradients_may_flow(activation.node):
             # (the twell ops' backward is relu's; under no_grad or inference_mode nothing differs)
             return (f"{activation.node.name} is relu spelled as a clamp, whose gradient at exactly 0 is 1 "
                     f"where relu's is 0; compiled with gradients enabled, it is left alone")
         if is_inplace_call(activation.node) and _pieces_overlap(match.gate, match.up):
             return (f"the in-place {activation.node.name} writes into a piece of the projection that "
                     f"overlaps the up projection's piece")
+        if is_inplace_call(activation.node) and match.gate is not None and match.gate.output is match.up.output:
+            return (f"the in-place {activation.node.name} writes into the value the up projection's "
+                    f"product reads too (gate and up are one value)")
+        if match.output in self._in_transforms:
+            return ("it runs inside a torch.func grad or jvp transform or a forward-mode AD level, which the "
+                    "twell ops' autograd does not support")
         if match.kind == GATED and not self.gated:
             return "gated rewrites are disabled (options.gated=False)"
         if match.kind == NON_GATED and not self.non_gated:
@@ -459,8 +467,10 @@ def _op_name(node: fx.Node, gm: fx.GraphModule) -> str:
 
 
 def _escaping_value(block: _Block) -> str:
-    """A reason when an intermediate value of the block is read outside it (so it must stay)."""
-    inside = block.nodes
+    """A reason when an intermediate value of the block is read outside it (so it must stay). Its
+    shared nodes (x's reshapes, weight transposes) stay in the graph, so a read by one of them is a read
+    from outside too."""
+    inside = block.owned
     for node, role in block.private.items():
         for user in node.users:
             if user not in inside:
@@ -528,6 +538,16 @@ def _dtype_problem(block: _Block) -> str:
         if dtype is not None and dtype not in OP_DTYPES:
             return f"{name} has dtype {dtype}, which the twell ops do not take"
     return ""
+
+
+def _gradients_may_flow(node: fx.Node) -> bool:
+    """Whether a gradient may reach ``node`` where the graph runs. Dynamo graphs record each value as
+    traced (grad mode switched inside the graph included; the graph is recompiled for another grad mode
+    outside it); other graphs are judged by the grad mode the pass runs in."""
+    value = node.meta.get("example_value")
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    return torch.is_grad_enabled()
 
 
 def _pieces_overlap(gate: LinearMatch | None, up: LinearMatch | None) -> bool:

@@ -146,6 +146,33 @@ def test_rewrite_rejects_other_objects():
         twell_compile.rewrite(functional_gated_mlp)
 
 
+def test_rewrite_leaves_the_original_higher_order_bodies_untouched():
+    """A checkpoint region's body is a GraphModule the passes rewrite in place: the copy rewrite makes
+    gets its own, and the original keeps its linears and relu."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = ReluMLP(HIDDEN, INTER)
+
+        def forward(self, x):
+            return checkpoint(self.mlp, x, use_reentrant=False)
+
+    graphs = capture_dynamo_graphs(Checkpointed(), _x(2))
+    (gm,) = graphs
+
+    def body_targets(g):
+        bodies = [getattr(g, n.target) for n in g.graph.nodes if n.op == "get_attr"]
+        return [str(n.target) for b in bodies for n in b.graph.nodes if n.op == "call_function"]
+
+    before = body_targets(gm)
+    rewritten, report = twell_compile.rewrite(gm)
+    assert report.rewritten_count == 1
+    assert body_targets(gm) == before and "twell" not in " ".join(before)
+    assert any("twell" in t for t in body_targets(rewritten))
+
+
 # ---------------------------------------------------------------------------------------------------
 # explain
 # ---------------------------------------------------------------------------------------------------

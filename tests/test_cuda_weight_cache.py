@@ -61,3 +61,26 @@ def test_the_copy_a_graph_reads_outlives_clearing_and_eviction(monkeypatch):
             weight_cache.DOWN_WEIGHT_T.get(torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16))
         torch.empty(64 << 20, device="cuda", dtype=torch.uint8).fill_(0xFF)  # reuse freed memory, if any
         assert _replayed_right(graph, out, problem)
+
+
+@requires_twell_kernels
+def test_a_refill_on_another_stream_is_waited_for():
+    """weights_changed refills the copy a graph reads on the stream it is called on; a later call on
+    another stream must wait for that copy, as for a first fill (here it is queued behind a long kernel,
+    so a call that did not wait would read the old values)."""
+    with kernel_config(**KERNELS_ONLY):
+        problem = make_problem(8, 2048, 5632, nnz_per_row=24.0)
+        _captured(problem)
+        with torch.no_grad():
+            problem.down_weight.mul_(-2)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)
+            twell_compile.weights_changed()
+        (entry,) = [e for e in weight_cache.DOWN_WEIGHT_T._entries.values()
+                    if e.source is not None and e.source() is problem.down_weight]
+        assert entry.fill.stream == side.cuda_stream
+        out = torch.ops.twell.gated_relu_mlp(*problem.gated_args())
+        torch.cuda.synchronize()
+        assert relative_error(out, eager_gated(*problem.gated_args())) < 1e-2

@@ -434,3 +434,22 @@ def test_dtypes_the_kernels_do_not_take_run_the_reference_and_say_so_once(monkey
     with pytest.warns(RuntimeWarning, match="torch.float64"):
         kernels.cuda_relu_mlp(x.double(), wu.double(), wd.double(), None, None)
     kernels._warn_dtype_once.cache_clear()
+
+
+def test_a_plan_built_while_the_settings_change_is_not_kept(monkeypatch):
+    """Plans are cached per shape and dropped when ``config`` changes; one built from the old settings
+    while another thread changes them must not be stored after that drop."""
+    monkeypatch.setattr(twell_mlp, "_PLANS", {})
+    built = []
+
+    def make_plan(m, f, d, device):
+        if not built:  # the settings change while the first plan is built
+            monkeypatch.setattr(twell_mlp.config, "route_report_every", twell_mlp.config.route_report_every + 1)
+        built.append(m)
+        return ("plan", len(built))
+
+    monkeypatch.setattr(twell_mlp, "_make_call_plan", make_plan)
+    assert twell_mlp.call_plan(4, 64, 32, torch.device("cpu")) == ("plan", 1)
+    assert twell_mlp._PLANS == {}
+    assert twell_mlp.call_plan(4, 64, 32, torch.device("cpu")) == ("plan", 2)
+    assert twell_mlp.call_plan(4, 64, 32, torch.device("cpu")) == ("plan", 2)  # kept this time

@@ -1140,3 +1140,123 @@ def test_dtypes_the_ops_do_not_take_are_left_alone():
     args = [torch.randint(-3, 3, shape) for shape in [(3, D), (F_, D), (F_, D), (D_OUT, F_)]]
     gm, inputs = capture("dynamo", Custom(lambda m, x: integer_mlp(x, *args[1:])), args[0])
     assert_left_alone(rewrite(gm, inputs, rewritten=0), "has dtype torch.int64, which the twell ops do not take")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Semantics kept where the graph does something unusual (a review's cases, 2026-11-30)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_private_in_place_functions_inside_a_block_are_mutations():
+    """``torch._foreach_add_`` (like ``_fused_adam_``) writes into its arguments: between the gate and
+    the up projection it changes what up reads, so the block stays."""
+    def foreach_between(m, x):
+        gate = torch.relu(m.gate_proj(x))
+        torch._foreach_add_([x], 1.0)
+        return m.down_proj(gate * m.up_proj(x))
+
+    for mode in ("symbolic", "dynamo"):
+        gm, _ = capture(mode, Custom(foreach_between), x3d())
+        report = run_passes(gm)
+        assert report.rewritten_count == 0, str(report)
+        assert "may modify its inputs" in " | ".join(report.reasons)
+
+
+class _PiecesReturned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(D, 2 * F_)
+        self.down_proj = nn.Linear(F_, D_OUT)
+
+    def forward(self, x):
+        pieces = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(F.relu(pieces[0], inplace=True) * pieces[1]), pieces
+
+
+class _PiecesCatInto(_PiecesReturned):
+    def forward(self, x, buf):
+        pieces = self.gate_up_proj(x).chunk(2, -1)
+        torch.cat(pieces, -1, out=buf)
+        return self.down_proj(F.relu(pieces[0]) * pieces[1])
+
+
+def test_only_indexed_pieces_of_a_split_go_with_the_block():
+    """A split's reader that has no users of its own is the block's only when it takes a piece by
+    indexing (symbolic_trace keeps ``_`` of ``gate, _ = t.chunk(2, -1)``): the graph's output returning
+    the pieces, or ``torch.cat(pieces, out=...)``, must stay."""
+    model, x = _PiecesReturned().requires_grad_(False), x3d()
+    expected = model(x)
+    gm = fx.symbolic_trace(model)
+    run_passes(gm)
+    torch.testing.assert_close(gm(x), expected)  # the pieces too: the gate's as the in-place relu left it
+
+    model = _PiecesCatInto().requires_grad_(False)
+    buf, want = torch.zeros(*x.shape[:-1], 2 * F_), torch.zeros(*x.shape[:-1], 2 * F_)
+    model(x, want)
+    gm = fx.symbolic_trace(model)
+    run_passes(gm)
+    gm(x, buf)
+    torch.testing.assert_close(buf, want)  # the cat still wrote its output
+
+
+@pytest.mark.parametrize("mode", ["symbolic", "dynamo"])
+def test_a_private_value_read_by_a_weight_transpose_is_an_escape(mode):
+    """``a = relu_(h); a @ h.T``: the down weight is ``h`` itself, which the in-place relu changed. Its
+    transpose is a shared node that stays in the graph, so ``h`` escapes the block."""
+    def weight_from_hidden(m, x):
+        h = m.up_proj(x)
+        a = torch.relu_(h)
+        return a @ h.T
+
+    gm, inputs = capture(mode, Custom(weight_from_hidden), torch.randn(5, D))
+    report = rewrite(gm, inputs, rewritten=0)
+    assert report.left_alone_count == 0 or "has another user" in " | ".join(report.reasons)
+
+
+@pytest.mark.parametrize("mode", ["symbolic", "dynamo"])
+def test_an_in_place_relu_of_a_value_that_is_also_up_is_left_alone(mode):
+    """``relu_(h) * h`` multiplies relu(h) by relu(h) in eager (the in-place relu changed h); the fused op
+    would compute relu(h) * h (they differ where h is -inf)."""
+    def same_value(m, x):
+        h = m.up_proj(x)
+        return m.down_proj(torch.relu_(h) * h)
+
+    model = Custom(same_value).requires_grad_(False)
+    gm, inputs = capture(mode, model, x3d())
+    report = rewrite(gm, inputs, rewritten=0)
+    assert "gate and up are one value" in " | ".join(report.reasons), str(report)
+
+
+def test_clamp_follows_the_grad_mode_the_dynamo_graph_records():
+    """A Dynamo graph records each value's requires_grad as traced, grad mode switched inside it
+    included: compiled under no_grad with ``torch.enable_grad()`` around the block, the clamp stays."""
+    def grad_inside(m, x):
+        with torch.enable_grad():
+            return m.down_proj(m.gate_proj(x).clamp(min=0) * m.up_proj(x))
+
+    with torch.no_grad():
+        gm, inputs = capture("dynamo", Custom(grad_inside), x3d())
+        assert_left_alone(rewrite(gm, inputs, rewritten=0), "relu spelled as a clamp")
+        gm, inputs = capture("dynamo", Custom(lambda m, x: m.down_proj(m.gate_proj(x).clamp(min=0) * m.up_proj(x))),
+                             x3d())
+        rewrite(gm, inputs, rewritten=1)
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp", "forward_ad"])
+def test_blocks_inside_autodiff_transforms_are_left_alone(transform):
+    """The twell ops' autograd is reverse mode only, without functorch support: a block inside
+    torch.func.grad or jvp, or a forward-mode AD level, stays, so such a model compiles and runs."""
+    import torch.autograd.forward_ad as fwAD
+
+    def forward(m, x):
+        block = lambda t: m.down_proj(torch.relu(m.gate_proj(t)) * m.up_proj(t))  # noqa: E731
+        if transform == "grad":
+            return torch.func.grad(lambda t: block(t).sum())(x)
+        if transform == "jvp":
+            return torch.func.jvp(block, (x,), (torch.ones_like(x),))[1]
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(block(fwAD.make_dual(x, torch.ones_like(x)))).tangent
+
+    with torch.no_grad():
+        gm, inputs = capture("dynamo", Custom(forward), x3d())
+        assert_left_alone(rewrite(gm, inputs, rewritten=0), "torch.func grad or jvp transform")

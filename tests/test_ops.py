@@ -405,6 +405,28 @@ def test_autocast_dtype_is_read_at_call_time():
     assert gated_op(*args).dtype == torch.float32
 
 
+def test_autocast_casting_cuda_weights_warns_once(recwarn):
+    """Under autocast a CUDA call's float32 weights are cast anew each call, which defeats the kernels'
+    per-weight state: said once, with the cure. Weights already in the autocast dtype, float64 ones,
+    and CPU calls (the reference path keeps no such state) say nothing."""
+    import warnings
+
+    from twell_compile import ops
+
+    ops._warn_weight_casts_once.cache_clear()
+    bf16 = [torch.zeros(2, 2, dtype=torch.bfloat16)]
+    ops.note_weight_casts(bf16 + [None], torch.bfloat16, "cuda")
+    ops.note_weight_casts([torch.zeros(2, 2, dtype=torch.float64)], torch.bfloat16, "cuda")
+    ops.note_weight_casts([torch.zeros(2, 2)], torch.bfloat16, "cpu")
+    assert not recwarn.list
+    with pytest.warns(RuntimeWarning, match=r"under torch.autocast the MLP weights are cast on every call.*model.to"):
+        ops.note_weight_casts(bf16 + [torch.zeros(2, 2)], torch.bfloat16, "cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        ops.note_weight_casts([torch.zeros(2, 2)], torch.float16, "cuda")
+    ops._warn_weight_casts_once.cache_clear()
+
+
 # ---------------------------------------------------------------------------------------------------
 # errors: clear messages, both when running and when tracing with fake tensors
 # ---------------------------------------------------------------------------------------------------

@@ -25,11 +25,31 @@ def _twell_options(options: TwellOptions | Mapping[str, Any] | None) -> TwellOpt
 
 
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A new GraphModule with its own graph but the same parameters (no weight copies)."""
+    """A new GraphModule with its own graph but the same parameters (no weight copies). The bodies of
+    higher-order ops (checkpoint regions, ...) are copied too, at any depth: the passes rewrite them in
+    place, and the original's must stay as they are."""
     graph = fx.Graph()
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
-    return fx.GraphModule(gm, graph, class_name=gm.__class__.__name__)
+    copy = fx.GraphModule(gm, graph, class_name=gm.__class__.__name__)
+    for node in copy.graph.nodes:
+        if node.op != "get_attr" or not any(
+                user.op == "call_function" and isinstance(user.target, torch._ops.HigherOrderOperator)
+                for user in node.users):
+            continue
+        owner_path, _, name = node.target.rpartition(".")
+        owner = copy.get_submodule(owner_path) if owner_path else copy
+        body = getattr(owner, name, None)
+        if isinstance(body, fx.GraphModule) and body is getattr(_get_owner(gm, owner_path), name, None):
+            setattr(owner, name, _copy_graph_module(body))
+    return copy
+
+
+def _get_owner(gm: fx.GraphModule, path: str) -> torch.nn.Module | None:
+    try:
+        return gm.get_submodule(path) if path else gm
+    except AttributeError:
+        return None
 
 
 def _as_graph_module(model: Any, example_inputs: tuple) -> fx.GraphModule:
@@ -66,6 +86,12 @@ def rewrite(
     ``nn.Module`` (symbolically traced first). Pass ``example_inputs`` when the graph carries no
     shape metadata, so the pass can prove the weight shapes agree; blocks whose shapes cannot be
     known are left alone and the report says so. Returns ``(rewritten_module, report)``.
+
+    ReLU spelled as ``clamp(min=0)`` is rewritten only when ``rewrite`` is called with gradients off
+    (``torch.no_grad()``): the result is then meant for inference, since the twell ops' gradient at
+    exactly 0 is relu's (0), not the clamp's (1). The rewritten module supports reverse-mode autograd,
+    not forward-mode AD or ``torch.func.grad``/``jvp`` (PyTorch raises); ``torch.compile`` with
+    ``backend="twell"`` leaves blocks inside such transforms alone.
     """
     twell_options = _twell_options(options)
     gm = _as_graph_module(model, example_inputs)

@@ -24,6 +24,9 @@ in C++ with no more Python than this module's frame.
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -150,6 +153,23 @@ relu_mlp = _define(
 # ---------------------------------------------------------------------------------------------------
 
 
+def note_weight_casts(weights, dtype: torch.dtype, device_type: str) -> None:
+    """Warns once where autocast casts a CUDA call's weights: each call then gets new weight tensors, so
+    nothing the kernels keep per weight (re-laid copies, density routes, leases) carries over to the
+    layer's next call, and every call casts (and re-lays) its weights again."""
+    if device_type == "cuda" and any(
+            isinstance(w, Tensor) and w.is_floating_point() and w.dtype not in (dtype, torch.float64) for w in weights):
+        _warn_weight_casts_once()
+
+
+@functools.cache
+def _warn_weight_casts_once() -> None:
+    warnings.warn("twell: under torch.autocast the MLP weights are cast on every call, as nn.Linear's are, so "
+                  "the TwELL kernels' per-weight state (re-laid weight copies, routing by density, leases) "
+                  "cannot follow a layer from one call to the next; for full speed, cast the model itself "
+                  "(model.to(torch.bfloat16)).", RuntimeWarning, stacklevel=3)
+
+
 def _register_autocast_like_linear(op: torch._ops.OpOverload, device_type: str) -> None:
     """Casts floating inputs to the *current* autocast dtype, as autocast does for ``linear``.
 
@@ -166,6 +186,7 @@ def _register_autocast_like_linear(op: torch._ops.OpOverload, device_type: str) 
         return arg
 
     def call_without_autocast(*args, **kwargs):
+        note_weight_casts(args[1:], torch.get_autocast_dtype(device_type), device_type)
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(dispatch_key)):
             return op(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
 

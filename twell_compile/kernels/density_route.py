@@ -222,9 +222,8 @@ class DensityRouter:
             return 0 if state is None else next_report_call(state.calls, report_every) - state.calls
 
     def count_calls(self, weight: torch.Tensor, size_class: str, calls: int) -> None:
-        """Counts ``calls`` calls of the class that a lease served without asking (``leases.py``)."""
-        if getattr(_PAUSED, "on", False):
-            return
+        """Counts ``calls`` calls of the class that a lease served without asking (``leases.py``). (Also
+        inside ``paused()``: the calls were served before, outside it.)"""
         with self._lock:
             layer = self._layer(weight, create=False)
             state = None if layer is None else layer.classes.get(size_class)
@@ -347,8 +346,9 @@ _PAUSED = threading.local()
 @contextlib.contextmanager
 def paused():
     """Calls made inside (on this thread) neither read nor feed the router: they take the route their
-    row count gives, report nothing and get no lease counted. For runs that must leave the model's
-    routing as they found it, such as ``twell_compile.explain``'s analysis run."""
+    row count gives and report nothing. For runs that must leave the model's routing as they found it,
+    such as ``twell_compile.explain``'s analysis run. (A call a layer's lease serves keeps the lease's
+    route; leases serve no call made under a sparsity recorder, as explain's are.)"""
     before = getattr(_PAUSED, "on", False)
     _PAUSED.on = True
     try:

@@ -49,6 +49,7 @@ DECISION_ROWS = triton_kernels.DECISION_ROWS
 
 _PLANS: dict[tuple, "CallPlan"] = {}  # per (rows, intermediate, output features, device); see call_plan()
 _MAX_PLANS = 4096
+_settings_generation = [0]  # counts config changes: a plan built across one is not cached
 
 
 def _auto_or_row_range(text: str) -> tuple[int, int] | None:
@@ -267,6 +268,7 @@ class KernelConfig:
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
+        _settings_generation[0] += 1
         _PLANS.clear()  # plans are derived from the settings, and so are the leases
         leases.revoke_all()
 
@@ -343,9 +345,9 @@ _DECODE_ROWS = 64
 # Up to 128 rows: whole calls at M = 128 took 47.9 us with clusters of 2 against 60.7 with column
 # splits (24 nnz; 52.4 against 72.2 at 39), but at M = 256 column splits were as fast or faster (61.3
 # against 64.9 us at 24 nnz), and from M = 512 on much faster (H100, examples/sweep_sparse_launch.py).
-# TWELL_SPARSE_CLUSTER_DECODE=1 switches the clusters off (column splits only), other values cap them;
-# TWELL_SPARSE_ENTRY_SPLIT_ROWS moves the limit.
-_SPARSE_CLUSTER_DECODE = int(os.environ.get("TWELL_SPARSE_CLUSTER_DECODE", "8"))
+# TWELL_SPARSE_CLUSTER_DECODE=1 switches the clusters off (column splits only), other values cap them
+# (at 8, the kernel's most); TWELL_SPARSE_ENTRY_SPLIT_ROWS moves the limit.
+_SPARSE_CLUSTER_DECODE = min(8, int(os.environ.get("TWELL_SPARSE_CLUSTER_DECODE", "8")))
 _ENTRY_SPLIT_ROWS = int(os.environ.get("TWELL_SPARSE_ENTRY_SPLIT_ROWS", "128"))
 
 
@@ -696,9 +698,12 @@ def call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     key = (m, f, d, device)
     plan = _PLANS.get(key)
     if plan is None:
+        generation = _settings_generation[0]
+        plan = _make_call_plan(m, f, d, device)
         if len(_PLANS) >= _MAX_PLANS:  # many distinct token counts (dynamic shapes): start over
             _PLANS.clear()
-        plan = _PLANS[key] = _make_call_plan(m, f, d, device)
+        if generation == _settings_generation[0]:  # (settings changed meanwhile, on another thread: not kept)
+            _PLANS[key] = plan
     return plan
 
 

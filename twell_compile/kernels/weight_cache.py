@@ -65,11 +65,18 @@ def _empty_outside_graph_pools(shape: tuple[int, ...], like: torch.Tensor) -> to
     if not like.is_cuda:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     result: list[torch.Tensor] = []
-    helper = threading.Thread(target=lambda: result.append(torch.empty(shape, dtype=like.dtype, device=like.device)))
+    # Allocated from our stream's pool, as an allocation on this thread would be: from the helper's own
+    # (default) stream, a block freed there could still be in use by work queued on it, which the copy
+    # on our stream would not wait for.
+    stream = torch.cuda.current_stream(like.device)
+
+    def allocate():
+        with torch.cuda.stream(stream):
+            result.append(torch.empty(shape, dtype=like.dtype, device=like.device))
+
+    helper = threading.Thread(target=allocate)
     helper.start()
     helper.join()
-    # Allocated on the helper's (default) stream, used on ours: tell the allocator before it is reused.
-    result[0].record_stream(torch.cuda.current_stream(like.device))
     return result[0]
 
 
@@ -224,7 +231,10 @@ class DerivedWeightCache:
             if source is not None and weight_key(source) == key:
                 entry.derived.copy_(self._layout(source).detach())
                 version = _version(source)
-                entry.version = -1 if version is None else version
+                with self._lock:
+                    entry.version = -1 if version is None else version
+                    # (a later use on another stream must wait for this copy, as for a first fill)
+                    entry.fill = _Fill(source.device) if source.is_cuda else None
         leases.revoke_all()  # they hold derived weights too
 
     def __len__(self) -> int:
