@@ -232,6 +232,57 @@ def test_explain_runs_its_ops_with_the_density_router_paused(monkeypatch):
     assert getattr(density_route._PAUSED, "on", False) is False  # and restored after
 
 
+@pytest.mark.skipif(not twell_compile.api._ISOLATED, reason="torch.compile has no isolate_recompiles (torch < 2.12)")
+def test_explain_again_and_again_leaves_the_model_compilable():
+    """Each explain call compiles with a backend of its own; kept apart from the model's compiles, they
+    never fill its recompile limit, so backend="twell" still compiles the model afterwards."""
+    from helpers import backend_reports
+
+    model, x = Stack([GatedMLP(HIDDEN, INTER), ReluMLP(HIDDEN, INTER)], HIDDEN), _x(2, 3)
+    for _ in range(torch._dynamo.config.recompile_limit + 2):
+        assert twell_compile.explain(model, x, print_report=False).rewritten == 2
+    before = len(backend_reports())
+    with torch.no_grad():
+        torch.compile(model, backend="twell")(x)
+    assert [r.rewritten_count for r in backend_reports()[before:]] == [2]
+
+
+def test_explain_judges_as_the_backend_does_in_the_callers_grad_mode():
+    """A clamp(min=0) block is left alone where gradients may flow: explain called with gradients on
+    says so, as the backend would, and rewrites it under no_grad."""
+    class ClampMLP(ReluMLP):
+        def forward(self, x):
+            return self.fc2(self.fc1(x).clamp(min=0))
+
+    model = ClampMLP(HIDDEN, INTER)
+    assert twell_compile.explain(model, _x(2), print_report=False).rewritten == 0
+    with torch.no_grad():
+        assert twell_compile.explain(model, _x(2), print_report=False).rewritten == 1
+
+
+def test_explain_leaves_a_training_models_buffers_as_they_were():
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(HIDDEN), ReluMLP(HIDDEN, INTER)).train()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    twell_compile.explain(model, _x(4), print_report=False)
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, before[name]), name
+
+
+def test_rewrite_keeps_a_graphs_structured_inputs_and_outputs():
+    """A graph whose codegen packs and unpacks pytrees (make_fx of a function of dicts, an exported
+    module) keeps its calling convention."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mlp = ReluMLP(HIDDEN, INTER)
+    with torch.no_grad():  # (with gradients, make_fx also keeps the relu's output for its backward)
+        graph = make_fx(lambda d: {"out": mlp(d["x"])})({"x": _x(2)})
+    rewritten, report = twell_compile.rewrite(graph)
+    x = _x(3)
+    out = rewritten({"x": x})
+    assert report.rewritten_count == 1 and set(out) == {"out"}
+    torch.testing.assert_close(out["out"], mlp(x))
+
+
 def test_explain_graph_module():
     traced = fx.symbolic_trace(ReluMLP(HIDDEN, INTER))
     result = twell_compile.explain(traced, _x(2), print_report=False)

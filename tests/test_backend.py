@@ -24,6 +24,7 @@ from helpers import (
     requires_cuda,
     twell_targets,
 )
+import twell_compile
 from twell_compile import reference
 from twell_compile.backend import _mode_config_patches, twell_backend
 from twell_compile.options import TwellOptions, parse_options
@@ -226,6 +227,27 @@ def test_parse_options():
         parse_options({"gated": "yes"})
     with pytest.raises(TypeError, match=r"options must be a dict, got list"):
         parse_options(["gated"])
+
+
+def test_inductor_options_take_dashed_names_and_are_type_checked():
+    """As with backend="inductor": a dashed spelling names the same setting, and a value of the wrong
+    type is an error (a string "False" must not turn a bool setting on)."""
+    assert parse_options({"max-autotune": False}) == (TwellOptions(), {"max_autotune": False})
+    with pytest.raises(TypeError, match=r"Inductor option 'max_autotune' must be a bool, got 'False'"):
+        parse_options({"max_autotune": "False"})
+
+
+def test_reports_of_a_new_model_after_a_dynamo_reset_are_kept(compile_fx_spy):
+    """Compile ids start over after torch._dynamo.reset(): a new model's first graph then has the id of
+    the last report's, and must be added, not take that report's place."""
+    import twell_compile.backend as backend
+
+    backend._REPORTS.clear()
+    backend._REPORT_IDS.clear()
+    torch.compile(GatedMLP(), backend="twell")(_x(3))
+    torch._dynamo.reset()
+    torch.compile(relu_stack(1), backend="twell")(_x(3))
+    assert [(r.gated_count, r.non_gated_count) for r in twell_compile.last_reports()] == [(1, 0), (0, 1)]
 
 
 def test_unexpected_backend_argument():

@@ -63,6 +63,29 @@ def test_nested_recorders_each_see_every_call_and_threads_their_own():
     assert inner.calls()[0] == outer.calls()[1]
 
 
+def test_asyncio_tasks_record_apart():
+    """Two requests served as asyncio tasks of one thread: each recorder sees its own task's calls (a
+    thread-local list would give each both)."""
+    import asyncio
+
+    def problem(rows):
+        return make_problem(rows, 16, 32, nnz_per_row=4.0, dtype=torch.float32, device="cpu")
+
+    async def request(rows, other_started, started):
+        with twell_compile.record_sparsity() as rec:
+            started.set()
+            await other_started.wait()  # both recorders active at once
+            torch.ops.twell.gated_relu_mlp(*problem(rows).gated_args())
+            await asyncio.sleep(0)
+            return [c.rows for c in rec.calls()]
+
+    async def main():
+        a, b = asyncio.Event(), asyncio.Event()
+        return await asyncio.gather(request(3, b, a), request(7, a, b))
+
+    assert asyncio.run(main()) == [[3], [7]]
+
+
 def test_one_read_gives_every_count():
     recorder = stats.SparsityRecorder()
     recorder.add("gated_relu_mlp", torch.tensor([3, 5, 0], dtype=torch.int32), 64,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy as copy_module
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,11 +27,35 @@ def _twell_options(options: TwellOptions | Mapping[str, Any] | None) -> TwellOpt
     return twell_options
 
 
+# Keeps explain's compiled entries apart from the model's other compiles (torch.compile's
+# isolate_recompiles, torch 2.12 on): each explain call's backend is a new function, so without it every
+# call adds an entry to the model's frames, and after recompile_limit of them Dynamo runs the model
+# eagerly, under backend="twell" too.
+_ISOLATED = ({"isolate_recompiles": True}
+             if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
+
+
+@contextlib.contextmanager
+def _buffers_restored(model: torch.nn.Module):
+    """Puts the model's buffers back as they were (same tensors, same values) when the block ends."""
+    saved = [(module, name, buffer, buffer.detach().clone())
+             for module in model.modules() for name, buffer in module._buffers.items() if buffer is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, name, buffer, value in saved:
+                module._buffers[name] = buffer
+                buffer.copy_(value)
+
+
 def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule with its own graph but the same parameters (no weight copies). The bodies of
     higher-order ops (checkpoint regions, ...) are copied too, at any depth: the passes rewrite them in
     place, and the original's must stay as they are."""
     graph = fx.Graph()
+    # The codegen packs and unpacks structured inputs and outputs (pytrees: an exported module's dicts).
+    graph.set_codegen(copy_module.deepcopy(gm.graph._codegen))
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
     copy = fx.GraphModule(gm, graph, class_name=gm.__class__.__name__)
@@ -142,9 +169,14 @@ def explain(
 
     An ``nn.Module`` is captured with Dynamo on ``example_inputs``, exactly as ``torch.compile``
     would hand it to the backend, and the rewritten graph is run once eagerly to report the active
-    units per row each twell op saw; nothing is compiled and the model is not changed (nor are its
-    layers' density routes: that run's ops take the route their row count gives and report nothing). FX graphs and
-    exported programs are analysed directly (their copy is rewritten, not the original).
+    units per row each twell op saw, in the caller's grad mode (the backend decides some rewrites by
+    it); nothing is compiled and the model is not changed: its buffers (a BatchNorm's running statistics
+    in training mode) are restored after the run, and its layers' density routes are left alone (that
+    run's ops take the route their row count gives and report nothing). Where torch.compile can keep a
+    call's compiled entries apart (``isolate_recompiles``, torch 2.12 on), explain's never count against
+    the model's recompile limit; with older torch, explaining one model more than Dynamo's
+    ``recompile_limit`` (8) times fills it, and explain then says so. FX graphs and exported programs
+    are analysed directly (their copy is rewritten, not the original).
     """
     twell_options = _twell_options(options)
     if isinstance(model, (fx.GraphModule, torch.export.ExportedProgram)) or not isinstance(model, torch.nn.Module):
@@ -163,9 +195,14 @@ def explain(
 
         # A fresh compile of the model with a backend that only analyses; the model is run once, with the
         # density router paused, so that this run neither takes nor sets any layer's route.
-        compiled = torch.compile(model, backend=analyse)
-        with torch.no_grad(), record_sparsity() as recorder, density_route.paused():
+        compiled = torch.compile(model, backend=analyse, **_ISOLATED)
+        with _buffers_restored(model), record_sparsity() as recorder, density_route.paused():
             compiled(*example_inputs)
+        if not captured:
+            raise RuntimeError(
+                "twell.explain: Dynamo captured no graph of the model, so it ran eagerly: its frames are "
+                "skipped (torch.compiler.disable) or have reached Dynamo's recompile_limit (repeated "
+                "explain calls fill it on torch older than 2.12; torch._dynamo.reset() clears it)")
         result = ExplainReport(captured, graph_break_count=max(len(captured) - 1, 0),
                                sparsity=recorder.table() if recorder.calls() else None)
     if print_report:

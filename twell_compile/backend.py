@@ -29,8 +29,12 @@ _MAX_REPORTS = 256
 def _record(report: RewriteReport) -> None:
     from torch._guards import CompileContext
 
-    compile_id = CompileContext.current_compile_id()
-    if compile_id is not None and _REPORT_IDS and _REPORT_IDS[-1] == compile_id:
+    context = CompileContext.try_get()
+    compile_id = context.compile_id if context is not None else None
+    # (a retry is a later attempt: compile ids start over after torch._dynamo.reset(), and a new model's
+    # first graph may then have the id of the last report's)
+    retry = context is not None and context.attempt > 0
+    if retry and compile_id is not None and _REPORT_IDS and _REPORT_IDS[-1] == compile_id:
         _REPORTS[-1] = report
     else:
         _REPORTS.append(report)

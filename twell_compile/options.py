@@ -33,6 +33,18 @@ def _inductor_config_keys() -> set[str]:
     return set(inductor_config.get_config_copy().keys())
 
 
+def _check_inductor_type(key: str, name: str, value: Any) -> None:
+    """The type check ``backend="inductor"`` makes (``torch._TorchCompileInductorWrapper``): a string
+    ``"False"`` for a bool setting must not silently turn it on."""
+    import typing
+
+    import torch._inductor.config as inductor_config
+
+    expected = inductor_config.get_type(name)
+    if typing.get_origin(expected) is None and isinstance(expected, type) and not isinstance(value, expected):
+        raise TypeError(f"twell: Inductor option {key!r} must be a {expected.__name__}, got {value!r}")
+
+
 def parse_options(options: Mapping[str, Any] | None) -> tuple[TwellOptions, dict[str, Any]]:
     """Splits ``options`` into twell settings and Inductor config patches, rejecting unknown keys."""
     if options is None:
@@ -50,8 +62,10 @@ def parse_options(options: Mapping[str, Any] | None) -> tuple[TwellOptions, dict
             twell_values[key] = value
             continue
         inductor_keys = inductor_keys if inductor_keys is not None else _inductor_config_keys()
-        if key in inductor_keys:
-            inductor_patches[key] = value
+        name = key.replace("-", "_") if isinstance(key, str) else key  # (Inductor takes dashed spellings too)
+        if name in inductor_keys:
+            _check_inductor_type(key, name, value)
+            inductor_patches[name] = value
             continue
         close = difflib.get_close_matches(key, [*twell_names, *inductor_keys], n=3)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""

@@ -14,27 +14,23 @@ execution order, which for a compiled model is layer order. Kernels replayed fro
 Python, so nothing is recorded for them: record with ``mode="default"``. Nor is a call made while a CUDA
 graph is being captured (``mode="reduce-overhead"``'s recording call): its kernels have not run yet, so
 its statistics would be whatever the memory held, and the reductions would join the graph's every replay.
-A recorder sees the calls its own thread makes, and nested recorders each see every call made inside
-them.
+A recorder sees the calls its own thread makes (its own asyncio task, and the tasks started inside
+it), and nested recorders each see every call made inside them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
-import threading
 
 import torch
 
-_LOCAL = threading.local()  # .active: this thread's recorders, outermost first
+# The recorders of this context (thread, or asyncio task: a task starts with its creator's), outermost
+# first. A context variable rather than a thread-local: two requests served as tasks of one thread
+# record apart.
+_ACTIVE: contextvars.ContextVar[tuple["SparsityRecorder", ...]] = contextvars.ContextVar("twell_recorders", default=())
 PATHS = ("twell", "cublas", "reference")
-
-
-def _active() -> list["SparsityRecorder"]:
-    active = getattr(_LOCAL, "active", None)
-    if active is None:
-        active = _LOCAL.active = []
-    return active
 
 
 def active_units(pre_activation: torch.Tensor) -> torch.Tensor:
@@ -127,18 +123,17 @@ class _Recorders:
 @contextlib.contextmanager
 def record_sparsity():
     recorder = SparsityRecorder()
-    active = _active()
-    active.append(recorder)
+    token = _ACTIVE.set((*_ACTIVE.get(), recorder))
     try:
         yield recorder
     finally:
-        active.remove(recorder)
+        _ACTIVE.reset(token)
 
 
 def active_recorder() -> SparsityRecorder | _Recorders | None:
-    """What to give this thread's op calls to: its recorder, or all of its nested recorders; None when
+    """What to give this context's op calls to: its recorder, or all of its nested recorders; None when
     it has none, or while the current CUDA stream is being captured (see above)."""
-    active = _active()
+    active = _ACTIVE.get()
     if not active:
         return None
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
