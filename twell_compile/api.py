@@ -186,11 +186,14 @@ def explain(
         from .kernels import density_route
         from .stats import record_sparsity
 
+        from .backend import add_report
+
         captured: list[RewriteReport] = []
+        captured_ids: list[object] = []
 
         def analyse(gm: fx.GraphModule, inputs):
             rewritten = _copy_graph_module(gm)
-            captured.append(run_passes(rewritten, twell_options))
+            add_report(captured, captured_ids, run_passes(rewritten, twell_options))  # (restarts counted once)
             return rewritten.forward  # run eagerly, so the twell ops record their sparsity
 
         # A fresh compile of the model with a backend that only analyses; the model is run once, with the

@@ -26,19 +26,25 @@ _REPORT_IDS: list[object] = []
 _MAX_REPORTS = 256
 
 
-def _record(report: RewriteReport) -> None:
+def add_report(reports: list[RewriteReport], ids: list[object], report: RewriteReport) -> None:
+    """Appends ``report`` (and its Dynamo compile id to ``ids``), or, where Dynamo restarted the analysis
+    of the frame whose graph the last report is of, puts it in that report's place."""
     from torch._guards import CompileContext
 
     context = CompileContext.try_get()
     compile_id = context.compile_id if context is not None else None
-    # (a retry is a later attempt: compile ids start over after torch._dynamo.reset(), and a new model's
-    # first graph may then have the id of the last report's)
-    retry = context is not None and context.attempt > 0
-    if retry and compile_id is not None and _REPORT_IDS and _REPORT_IDS[-1] == compile_id:
-        _REPORTS[-1] = report
+    # (a restart is a later attempt under the same id: ids alone start over after torch._dynamo.reset(),
+    # when a new model's first graph may have the id of the last report's)
+    restart = context is not None and context.attempt > 0
+    if restart and compile_id is not None and ids and ids[-1] == compile_id:
+        reports[-1] = report
     else:
-        _REPORTS.append(report)
-        _REPORT_IDS.append(compile_id)
+        reports.append(report)
+        ids.append(compile_id)
+
+
+def _record(report: RewriteReport) -> None:
+    add_report(_REPORTS, _REPORT_IDS, report)
     del _REPORTS[:-_MAX_REPORTS]
     del _REPORT_IDS[:-_MAX_REPORTS]
 
@@ -79,7 +85,8 @@ def twell_backend(
 
 
 def last_reports() -> list[RewriteReport]:
-    """Rewrite reports of the graphs ``backend="twell"`` compiled in this process, oldest first."""
+    """Rewrite reports of the graphs ``backend="twell"`` compiled in this process, oldest first (the
+    latest 256)."""
     return list(_REPORTS)
 
 

@@ -15,7 +15,8 @@ def _is_twell_node(node: fx.Node) -> bool:
 
 
 def to_networkx(gm: fx.GraphModule | fx.Graph) -> nx.DiGraph:
-    """A directed graph with one vertex per FX node (by node name) and one edge per data use.
+    """A directed graph with one vertex per FX node (by node name) and one edge from
+    each node to each node that reads it (a node read twice by one user gives one edge).
 
     Vertex attributes: ``op`` (placeholder, call_function, ...), ``target`` (a readable name),
     ``twell`` (True for twell op calls), and ``shape`` / ``dtype`` where the node carries metadata.
