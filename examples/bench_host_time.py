@@ -99,10 +99,14 @@ def main() -> None:
                 times[f"op_no_lease{rep}"] = host_time_us(lambda: op(x, wg, wu, wd), args.calls)
         with kernel_config(route_by_density=False):  # a lease without the router's limit, to time it alone
             op(x, wg, wu, wd)
-            times["fast_mlp"] = host_time_us(lambda: ext.fast_mlp(x, wg, None, wu, None, wd, None), args.calls)
+            # (a declined call returns None at once, which would pass for a very fast lease)
+            if ext.fast_mlp(x, wg, None, wu, None, wd, None) is not None:
+                times["fast_mlp"] = host_time_us(lambda: ext.fast_mlp(x, wg, None, wu, None, wd, None), args.calls)
+            else:
+                print(f"M={m}: no lease serves this call (chunked-kernel calls get none): fast_mlp not timed")
         with kernel_config(fast_calls=False):  # the Python path alone, without a grant after every call
             times["twell_mlp"] = host_time_us(lambda: twell_mlp.twell_mlp(x, wg, None, wu, None, wd, None), args.calls)
-        plan = twell_mlp.call_plan(m, f, k, x.device)
+        plan = twell_mlp.call_plan(m, f, wd.shape[0], x.device)
         if plan.cuda is not None:
             w_down_t = twell_mlp.DOWN_WEIGHT_T.get(wd)
             times["mlp_forward"] = host_time_us(

@@ -114,7 +114,8 @@ def make_problem(
     x[:, 0] = row_shift
     act = torch.randn(intermediate, hidden, generator=g, **f64) / math.sqrt(hidden - 1)
     act[:, 0] = 1.0 + unit_shift
-    # z = x[:, 1:] . act[:, 1:] ~ N(0, 1); pre-activation = z - (row_shift + unit_shift) -> flip sign of column 0
+    # z = x[:, 1:] . act[:, 1:] ~ N(0, 1); pre-activation = z - row_shift * (1 + unit_shift) -> flip sign of
+    # column 0. (A heavy unit, unit_shift -1, thus ignores the row's shift: active on about half of all rows.)
     act[:, 0] = -act[:, 0]
     other = torch.randn(intermediate, hidden, generator=g, **f64) / math.sqrt(hidden)
     down = torch.randn(out_features, intermediate, generator=g, **f64) / math.sqrt(max(nnz_per_row, 1.0))
