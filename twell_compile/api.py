@@ -177,6 +177,10 @@ def explain(
     the model's recompile limit; with older torch, explaining one model more than Dynamo's
     ``recompile_limit`` (8) times fills it, and explain then says so. FX graphs and exported programs
     are analysed directly (their copy is rewritten, not the original).
+
+    Where a graph break falls inside a layer, Dynamo compiles that layer's frame once and every layer
+    runs the same graph: its blocks are named relative to the frame (``mlp``, not ``layers.3.mlp``)
+    and reported once, while the sparsity table still has a row for every op call.
     """
     twell_options = _twell_options(options)
     if isinstance(model, (fx.GraphModule, torch.export.ExportedProgram)) or not isinstance(model, torch.nn.Module):
