@@ -6,7 +6,9 @@ Each backend compiles ``model.model`` (no LM head, as ``bench_model.py``) with t
 with the same prompt, and is timed over ``--steps`` single-token steps after warm-up steps (CUDA
 events around the whole loop; the input tokens are drawn beforehand, so nothing syncs in it). Every
 step's MLPs see ``--batch`` rows: 1-32 run TwELL's decode path, 33-512 its cuBLAS route. The last
-hidden state after the same tokens is compared between the two; the table is printed last.
+hidden state after the same tokens is compared between the two, and the active units per row the
+MLPs see while decoding the same tokens are measured (on the eager model, untimed); the table is
+printed last.
 
     python examples/bench_decode.py --batch 1 8 32 --steps 64
     python examples/bench_decode.py --batch 1 32 --profile 16   # and each backend's GPU time per kernel
@@ -71,6 +73,27 @@ def prefilled_decoder(model, step, prompt: torch.Tensor, tokens: torch.Tensor, d
         return out
 
     return run
+
+
+def decode_sparsity(model, prompt: torch.Tensor, tokens: torch.Tensor, device: str) -> tuple[float, int]:
+    """(mean, max) active units per row of the MLPs' ReLU over every decode step of ``tokens`` after the
+    prompt, measured on the eager model (hooks on the gate projections; the counts stay on the device
+    until the end): the sparsity the timed steps decode at, which the gate biases, calibrated on a
+    prefill, only aim at."""
+    counts: list[torch.Tensor] = []
+
+    def count(module, inputs, output):
+        counts.append((output > 0).sum(-1).flatten())
+
+    run = prefilled_decoder(model, model.model, prompt, tokens, device)  # (the prompt is not counted)
+    hooks = [layer.mlp.gate_proj.register_forward_hook(count) for layer in model.model.layers]
+    try:
+        run(0, tokens.shape[1])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    per_row = torch.cat(counts).float()
+    return per_row.mean().item(), int(per_row.max().item())
 
 
 def decode_run(model, backend: str, mode: str, prompt: torch.Tensor, tokens: torch.Tensor, warmup: int,
@@ -155,14 +178,18 @@ def main() -> None:
                         print(f"  {ms * 1e3:9.1f} us  {n:6.1f}x  {name[:110]}")
             rewritten = sum(r.rewritten_count for r in twell_compile.last_reports())
             rel = ((twell_last - dense_last).norm() / dense_last.norm()).item()
-            rows.append((batch, statistics.median(dense), statistics.median(twell), rel, rewritten))
+            nnz_mean, nnz_max = decode_sparsity(model, prompt, tokens, args.device)
+            rows.append((batch, statistics.median(dense), statistics.median(twell), rel, rewritten, nnz_mean, nnz_max))
             print(f"batch {batch}: dense {dense} ms/step, twell {twell} ms/step, rel. diff {rel:.2e}, "
-                  f"MLP blocks rewritten in the last graph compiled: {rewritten}/{args.layers}", flush=True)
+                  f"MLP blocks rewritten in the last graph compiled: {rewritten}/{args.layers}, active units per "
+                  f"row while decoding: mean {nnz_mean:.1f}, max {nnz_max} of {args.intermediate}", flush=True)
     print(f"\n{name}; ms per decode step (median of {args.rounds} rounds of {args.steps} steps); mode {args.mode}")
-    print("| batch | dense compile ms | twell ms | speedup | rel. diff of the last hidden state | MLPs rewritten |")
-    print("|---|---|---|---|---|---|")
-    for batch, dense, twell, rel, rewritten in rows:
-        print(f"| {batch} | {dense:.3f} | {twell:.3f} | {dense / twell:.3f}x | {rel:.2e} | {rewritten}/{args.layers} |")
+    print("| batch | dense compile ms | twell ms | speedup | rel. diff of the last hidden state | MLPs rewritten "
+          "| active units per row while decoding (mean / max) |")
+    print("|---|---|---|---|---|---|---|")
+    for batch, dense, twell, rel, rewritten, nnz_mean, nnz_max in rows:
+        print(f"| {batch} | {dense:.3f} | {twell:.3f} | {dense / twell:.3f}x | {rel:.2e} | {rewritten}/{args.layers} "
+              f"| {nnz_mean:.1f} / {nnz_max} |")
 
 
 if __name__ == "__main__":

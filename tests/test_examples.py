@@ -57,8 +57,10 @@ def test_bench_decode_on_cpu():
                       "256", "--heads", "4", "--vocab", "128", "--batch", "2", "--prompt", "8", "--steps", "2",
                       "--warmup", "1", "--rounds", "1", "--mode", "default")
     row = out.rstrip().splitlines()[-1].split("|")
-    assert row[1].strip() == "2" and row[-2].strip() == "1/1", out  # batch 2; the one MLP rewritten
+    assert row[1].strip() == "2" and row[6].strip() == "1/1", out  # batch 2; the one MLP rewritten
     assert float(row[5]) < 1e-2, out  # the reference ops on CPU: the dense model's answer
+    mean, most = (float(v) for v in row[7].split("/"))
+    assert 0 < mean <= most <= 256, out  # the decode steps' measured sparsity, of 256 units
 
 
 def test_profile_decode_host_on_cpu():
