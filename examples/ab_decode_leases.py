@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from bench_decode import add_model_arguments, prefilled_decoder
+from bench_decode import add_model_arguments, decode_sparsity, prefilled_decoder
 from bench_model import build_model
 
 
@@ -88,15 +88,19 @@ def main() -> None:
                           f"{python_calls[0] / args.steps:.1f}", flush=True)
             counters = torch._dynamo.utils.counters
             print(f"batch {batch}: dynamo frames {dict(counters['frames'])} recompiles {dict(counters['recompiles'])}")
+            # The sparsity these steps decoded at: the same tokens through the eager model (untimed).
+            nnz = decode_sparsity(model, ids[:, :args.prompt], ids[:, args.prompt:], args.device)
             dense = statistics.median(times["dense"])
             for name, values in times.items():
-                rows.append((batch, name, statistics.median(values), dense / statistics.median(values), values))
+                rows.append((batch, name, statistics.median(values), dense / statistics.median(values), values, nnz))
     tm.twell_mlp = python_path
     print(f"\n{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}, {args.layers} layers, "
           f"{args.steps} steps a round, wall ms per step (median of rounds), speed against dense in the same process")
-    print(f"{'batch':>5}  {'variant':<18} {'ms/step':>8} {'x dense':>8}  rounds")
-    for batch, name, ms, ratio, values in rows:
-        print(f"{batch:>5}  {name:<18} {ms:>8.3f} {ratio:>7.3f}x  {', '.join(f'{v:.2f}' for v in values)}")
+    print(f"{'batch':>5}  {'variant':<18} {'ms/step':>8} {'x dense':>8}  rounds; active units per row while decoding "
+          f"(mean / max)")
+    for batch, name, ms, ratio, values, (nnz_mean, nnz_max) in rows:
+        print(f"{batch:>5}  {name:<18} {ms:>8.3f} {ratio:>7.3f}x  {', '.join(f'{v:.2f}' for v in values)}; "
+              f"{nnz_mean:.1f} / {nnz_max}")
 
 
 if __name__ == "__main__":

@@ -91,6 +91,8 @@ def test_ab_decode_leases_on_cpu():
     assert "1.000x" in rows["dense"], out
     assert out.count("batch 2 twell, leases:") == 2 and out.count("batch 2 twell, no leases:") == 2, out
     assert "batch 2: dynamo frames {'total': 2, 'ok': 2} recompiles {}" in out, out  # both compiled, side by side
+    mean, most = (float(v) for v in rows["dense"].rsplit(";", 1)[1].split("/"))
+    assert 0 < mean <= most <= 256, out  # the decode steps' measured sparsity, of 256 units
 
 
 def test_sparse_reuse():
