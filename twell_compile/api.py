@@ -173,8 +173,9 @@ def explain(
     it); nothing is compiled and the model is not changed: its buffers (a BatchNorm's running statistics
     in training mode) are restored after the run, and its layers' density routes are left alone (that
     run's ops take the route their row count gives and report nothing). Where torch.compile can keep a
-    call's compiled entries apart (``isolate_recompiles``, torch 2.12 on), explain's never count against
-    the model's recompile limit; with older torch, explaining one model more than Dynamo's
+    call's compiled entries apart (``isolate_recompiles``, torch 2.12 on), explain's do not count against
+    the model's recompile limit (only against Dynamo's ``accumulated_recompile_limit``, 256 entries a
+    frame across all compiles); with older torch, explaining one model more than Dynamo's
     ``recompile_limit`` (8) times fills it, and explain then says so. FX graphs and exported programs
     are analysed directly (their copy is rewritten, not the original).
 
