@@ -230,7 +230,13 @@ def is_inplace_call(node: fx.Node) -> bool:
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
         name = node.target._schema.name.split("::")[-1]
-    return (isinstance(name, str) and name.endswith("_") and not name.endswith("__")) or _inplace_flag(node)
+    return _inplace_name(name) or _inplace_flag(node)
+
+
+def _inplace_name(name: object) -> bool:
+    """PyTorch's naming of in-place calls: a trailing ``_`` (private ones too: ``torch._foreach_add_``,
+    ``torch._fused_adam_``), not a dunder's."""
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
 def _clamp_is_relu(node: fx.Node) -> bool | None:
@@ -340,9 +346,7 @@ def may_mutate(node: fx.Node, gm: fx.GraphModule | None) -> bool:
             return True
         if node.kwargs.get("out") is not None or _inplace_flag(node):
             return True
-        # (private in-place functions too: torch._foreach_add_, torch._fused_adam_, ...; dunders are not)
-        name = getattr(target, "__name__", "")
-        return name.endswith("_") and not name.endswith("__")
+        return _inplace_name(getattr(target, "__name__", ""))
     if node.op == "call_method":
         name = node.target
         return (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDER_METHODS

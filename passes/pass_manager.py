@@ -61,19 +61,29 @@ class TwellPassManager:
         return f"TwellPassManager([{names}])"
 
 
-def _subgraphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
-    """The graphs of higher-order ops' bodies, at any depth: ``torch.utils.checkpoint`` regions
-    (``tag_activation_checkpoint``), ``wrap``, ... Dynamo stores them as GraphModule attributes of the
-    graph that calls them, with their inputs (weights too) as placeholders. A body is a function of
-    its inputs, so a block inside it is rewritten as anywhere else. (Only bodies a higher-order op
-    takes: a GraphModule a model holds as an ordinary submodule is the model's, not ours to change.)"""
-    found: list[fx.GraphModule] = []
+def higher_order_bodies(gm: fx.GraphModule) -> list[tuple[str, fx.GraphModule]]:
+    """``(attribute, body)`` of each GraphModule that a higher-order op of ``gm``'s own graph takes (one
+    level deep). (Only bodies a higher-order op takes: a GraphModule a model holds as an ordinary
+    submodule is the model's, not ours to change.)"""
+    found: list[tuple[str, fx.GraphModule]] = []
     for node in gm.graph.nodes:
         if node.op != "get_attr" or not any(
                 user.op == "call_function" and isinstance(user.target, HigherOrderOperator) for user in node.users):
             continue
         body = getattr(gm, node.target, None)
-        if isinstance(body, fx.GraphModule) and all(body is not seen for seen in found):
+        if isinstance(body, fx.GraphModule) and all(body is not seen for _, seen in found):
+            found.append((node.target, body))
+    return found
+
+
+def _subgraphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """The graphs of higher-order ops' bodies, at any depth: ``torch.utils.checkpoint`` regions
+    (``tag_activation_checkpoint``), ``wrap``, ... Dynamo stores them as GraphModule attributes of the
+    graph that calls them, with their inputs (weights too) as placeholders. A body is a function of
+    its inputs, so a block inside it is rewritten as anywhere else."""
+    found: list[fx.GraphModule] = []
+    for _, body in higher_order_bodies(gm):
+        if all(body is not seen for seen in found):
             found += [body, *_subgraphs(body)]
     return found
 

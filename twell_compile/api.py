@@ -15,6 +15,7 @@ from torch import fx
 from . import ops  # noqa: F401  (the rewritten graphs call torch.ops.twell.*)
 from .options import TwellOptions, parse_options
 from .passes import run_passes
+from .passes.pass_manager import higher_order_bodies
 from .passes.report import RewriteReport
 
 
@@ -59,24 +60,10 @@ def _copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
     copy = fx.GraphModule(gm, graph, class_name=gm.__class__.__name__)
-    for node in copy.graph.nodes:
-        if node.op != "get_attr" or not any(
-                user.op == "call_function" and isinstance(user.target, torch._ops.HigherOrderOperator)
-                for user in node.users):
-            continue
-        owner_path, _, name = node.target.rpartition(".")
-        owner = copy.get_submodule(owner_path) if owner_path else copy
-        body = getattr(owner, name, None)
-        if isinstance(body, fx.GraphModule) and body is getattr(_get_owner(gm, owner_path), name, None):
-            setattr(owner, name, _copy_graph_module(body))
+    for target, body in higher_order_bodies(copy):
+        owner_path, _, name = target.rpartition(".")
+        setattr(copy.get_submodule(owner_path) if owner_path else copy, name, _copy_graph_module(body))
     return copy
-
-
-def _get_owner(gm: fx.GraphModule, path: str) -> torch.nn.Module | None:
-    try:
-        return gm.get_submodule(path) if path else gm
-    except AttributeError:
-        return None
 
 
 def _as_graph_module(model: Any, example_inputs: tuple) -> fx.GraphModule:

@@ -56,7 +56,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import leases
-from .weight_cache import weight_key
+from .weight_cache import _capturing, weight_key
 
 ENTER_SHARES = ((1024, 0.05), (2048, 0.06), (4096, 0.30), (8192, 0.55), (16384, 0.75))
 """(rows, average dense-block share from which calls of that many rows go to cuBLAS), interpolated in
@@ -182,7 +182,7 @@ class DensityRouter:
     def decide(self, weight: torch.Tensor, size_class: str, report_every: int, rows: int) -> tuple[bool, bool]:
         """(whether this call of ``rows`` rows goes to cuBLAS, whether it should report its dense-block share).
         Inside ``paused()``: (False, False), and the router is left as it was."""
-        if getattr(_PAUSED, "on", False):
+        if _paused():
             return False, False
         capturing = _capturing(weight)
         if capturing:
@@ -212,7 +212,7 @@ class DensityRouter:
         change meanwhile: only a report moves the share, and only a call on the Python path (of another
         row count, through the hysteresis) can flip the route, and every such call ends the layer's lease
         first. The calls a lease serves are added then (``count_calls``)."""
-        if getattr(_PAUSED, "on", False):
+        if _paused():
             return 0
         with self._lock:
             layer = self._layer(weight, create=False)
@@ -235,7 +235,7 @@ class DensityRouter:
         On a CUDA device it is copied on the current stream and read at a later call, once landed;
         elsewhere it is read at once. The layer's lease, if any, is revoked: its route may change.
         Inside ``paused()`` nothing is recorded."""
-        if getattr(_PAUSED, "on", False):
+        if _paused():
             return
         leases.revoke(weight)
         if blocks <= 0:
@@ -336,11 +336,11 @@ class DensityRouter:
         state.share = share if state.share is None else 0.5 * (state.share + share)
 
 
-def _capturing(weight: torch.Tensor) -> bool:
-    return weight.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 _PAUSED = threading.local()
+
+
+def _paused() -> bool:
+    return getattr(_PAUSED, "on", False)
 
 
 @contextlib.contextmanager
@@ -349,7 +349,7 @@ def paused():
     row count gives and report nothing. For runs that must leave the model's routing as they found it,
     such as ``twell_compile.explain``'s analysis run. (A call a layer's lease serves keeps the lease's
     route; leases serve no call made under a sparsity recorder, as explain's are.)"""
-    before = getattr(_PAUSED, "on", False)
+    before = _paused()
     _PAUSED.on = True
     try:
         yield

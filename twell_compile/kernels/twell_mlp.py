@@ -49,7 +49,7 @@ DECISION_ROWS = triton_kernels.DECISION_ROWS
 
 _PLANS: dict[tuple, "CallPlan"] = {}  # per (rows, intermediate, output features, device); see call_plan()
 _MAX_PLANS = 4096
-_settings_generation = [0]  # counts config changes: a plan built across one is not cached
+_settings_generation = 0  # counts config changes: a plan built across one is not cached
 
 
 def _auto_or_row_range(text: str) -> tuple[int, int] | None:
@@ -267,8 +267,9 @@ class KernelConfig:
     so any element a kernel fails to write shows up."""
 
     def __setattr__(self, name, value):
+        global _settings_generation
         super().__setattr__(name, value)
-        _settings_generation[0] += 1
+        _settings_generation += 1
         _PLANS.clear()  # plans are derived from the settings, and so are the leases
         leases.revoke_all()
 
@@ -698,11 +699,11 @@ def call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     key = (m, f, d, device)
     plan = _PLANS.get(key)
     if plan is None:
-        generation = _settings_generation[0]
+        generation = _settings_generation
         plan = _make_call_plan(m, f, d, device)
         if len(_PLANS) >= _MAX_PLANS:  # many distinct token counts (dynamic shapes): start over
             _PLANS.clear()
-        if generation == _settings_generation[0]:  # (settings changed meanwhile, on another thread: not kept)
+        if generation == _settings_generation:  # (settings changed meanwhile, on another thread: not kept)
             _PLANS[key] = plan
     return plan
 

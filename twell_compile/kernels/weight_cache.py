@@ -152,6 +152,13 @@ class _Entry:
         self.pinned = False
         self.source = weakref.ref(weight, on_freed) if weight._base is None else None
 
+    def refill(self, view: torch.Tensor, version: int, device: torch.device) -> None:
+        """Copies ``view`` (the layout of the source's ``version``) into the derived weight in place, where
+        the graphs that pinned it read it; a use on another stream then waits for this copy."""
+        self.derived.copy_(view)
+        self.version = version
+        self.fill = _Fill(device) if self.derived.is_cuda else None
+
 
 class DerivedWeightCache:
     """``layout(weight).contiguous()`` (a view of the weight, made contiguous), computed once per
@@ -189,9 +196,7 @@ class DerivedWeightCache:
             return view.contiguous()
         if entry is not None:  # pinned and stale: refilled in place, where the graphs read it
             with self._lock:
-                entry.derived.copy_(view)
-                entry.version = version
-                entry.fill = _Fill(weight.device) if weight.is_cuda else None
+                entry.refill(view, version, weight.device)
             return entry.derived
         _watch_optimizer_steps()
         derived = _empty_outside_graph_pools(tuple(view.shape), weight)
@@ -229,12 +234,9 @@ class DerivedWeightCache:
             # (only from the same storage and shape: a weight given other memory, ``p.data = t``, is no
             # longer what the graphs read)
             if source is not None and weight_key(source) == key:
-                entry.derived.copy_(self._layout(source).detach())
                 version = _version(source)
                 with self._lock:
-                    entry.version = -1 if version is None else version
-                    # (a later use on another stream must wait for this copy, as for a first fill)
-                    entry.fill = _Fill(source.device) if source.is_cuda else None
+                    entry.refill(self._layout(source).detach(), -1 if version is None else version, source.device)
         leases.revoke_all()  # they hold derived weights too
 
     def __len__(self) -> int:
