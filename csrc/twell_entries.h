@@ -20,6 +20,8 @@ void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed
                     const c10::optional<at::Tensor>& gate_parts = c10::nullopt);
 // The cluster an entry-split launch of M rows takes on the current device (16-byte rows).
 int64_t sparse_entry_cluster(int64_t M, int64_t n_tiles, int64_t D, int64_t requested, bool gated, bool float16);
+// Whether its shared memory fits the current device (the host routes calls that do not to cuBLAS).
+bool sparse_mlp_fits(int64_t n_tiles, int64_t D);
 
 // The chunked sparse kernel (csrc/twell_sparse_chunked.cu): weights streamed through shared memory in
 // slices of kChunkSliceColumns columns of every unit, [K / 8, F, 8] (W_up) and [D / 8, F, 8]

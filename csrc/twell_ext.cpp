@@ -38,6 +38,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("heavy_count"), pybind11::arg("w_up"), pybind11::arg("b_up"), pybind11::arg("w_down"),
         pybind11::arg("b_down"), pybind11::arg("out"), pybind11::arg("ctas"), pybind11::arg("cluster") = 2,
         pybind11::arg("tile_m") = 128, pybind11::arg("down_tile_m") = 256, pybind11::arg("k_splits") = 0);
+  m.def("sparse_mlp_fits", &twell::sparse_mlp_fits,
+        "Whether the row-by-row sparse kernel's shared memory fits the current device for n_tiles tiles and D "
+        "output columns", pybind11::arg("n_tiles"), pybind11::arg("D"));
   m.def("chunked_sparse_fits", &twell::chunked_sparse_fits,
         "Whether a shape fits the chunked sparse kernel on the current device", pybind11::arg("K"), pybind11::arg("F"),
         pybind11::arg("D"), pybind11::arg("element_size"), pybind11::arg("gated"));

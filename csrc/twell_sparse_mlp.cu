@@ -344,6 +344,10 @@ const T* ptr_or_null(const c10::optional<at::Tensor>& t) {
 }
 
 
+// Bytes of the opt-in shared memory limit left for the sparse kernel's static shared memory (it uses
+// a few hundred).
+constexpr size_t kStaticSmemReserve = 1024;
+
 // Dynamic shared memory of a sparse CTA: tile offsets, warp totals, the entry list, and the entry
 // split's partial output row (partial_cols floats; 0 without it).
 size_t sparse_smem_bytes(int64_t n_tiles, int threads, int64_t partial_cols) {
@@ -460,6 +464,21 @@ void dispatch_shape(const at::Tensor& x, const at::Tensor& packed, const at::Ten
 }
 
 }  // namespace
+
+// Whether a sparse launch over n_tiles TwELL tiles and D output columns fits the current device's shared
+// memory, for its largest variant (256 threads, and the entry split's partial row wherever D allows the
+// split: at most 4 groups of 8 columns per thread), with kStaticSmemReserve bytes left for the kernel's
+// static shared memory. The tile offsets grow with F: on an H200, at 64-column tiles, this fails from F of
+// about 3.0-3.6 million (by D) up, far past any model's, and the host sends such calls to cuBLAS
+// (_kernels_fit in twell_mlp.py).
+bool sparse_mlp_fits(int64_t n_tiles, int64_t D) {
+  if (n_tiles < 1 || D < 1 || n_tiles > (int64_t{1} << 30)) return false;
+  int device = 0, max_smem = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const int64_t partial_cols = D <= 4 * 256 * 8 ? D : 0;
+  return sparse_smem_bytes(n_tiles, 256, partial_cols) + kStaticSmemReserve <= static_cast<size_t>(max_smem);
+}
 
 // Fills the rows of `out` whose decision block is sparse; see the file comment.
 void sparse_mlp_out(const c10::optional<at::Tensor>& x, const at::Tensor& packed, const at::Tensor& counts, const at::Tensor& dense, const at::Tensor& block_nnz,

@@ -97,7 +97,7 @@ def test_call_plan_is_cached_per_shape_and_follows_the_settings(monkeypatch):
 
     monkeypatch.setattr(twell_mlp, "_PLANS", {})
     monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(build, "cuda_extension", lambda: types.SimpleNamespace(MlpPlan=types.SimpleNamespace))
+    monkeypatch.setattr(build, "cuda_extension", lambda: types.SimpleNamespace(MlpPlan=types.SimpleNamespace, sparse_mlp_fits=lambda *args: True))
     device = torch.device("cuda", 0)
     decode = twell_mlp.call_plan(16, 5632, 2048, device)
     assert twell_mlp.call_plan(16, 5632, 2048, device) is decode
@@ -131,7 +131,7 @@ def test_call_plan_takes_the_chunked_kernel_for_large_calls_that_fit(monkeypatch
         fits["asked"] = (f, d)
         return f <= 6000
 
-    ext = types.SimpleNamespace(MlpPlan=types.SimpleNamespace, chunked_sparse_fits=chunked_sparse_fits)
+    ext = types.SimpleNamespace(MlpPlan=types.SimpleNamespace, sparse_mlp_fits=lambda *args: True, chunked_sparse_fits=chunked_sparse_fits)
     monkeypatch.setattr(twell_mlp, "_PLANS", {})
     monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
     monkeypatch.setattr(build, "cuda_extension", lambda: ext)
@@ -147,6 +147,48 @@ def test_call_plan_takes_the_chunked_kernel_for_large_calls_that_fit(monkeypatch
     assert not twell_mlp.call_plan(131072, 5632, 2048, device).cuda.chunked
 
 
+def test_sizes_past_the_kernels_limits_go_to_cublas(monkeypatch):
+    """A call the TwELL kernels cannot launch (the sparse kernel's shared memory grows with F's tiles; an
+    H200 holds about 3.0-3.6 million units' worth) runs the dense MLP through cuBLAS, not a launch that
+    fails. The fit is asked at the narrowest gate tile, so it covers the Triton gate's more numerous tiles
+    too, and a TWELL_GATE_PLAN's narrower ones."""
+    import types
+
+    from twell_compile.kernels import build
+
+    asked = []
+
+    def sparse_mlp_fits(n_tiles, d):
+        asked.append((n_tiles, d))
+        return n_tiles <= 50_000
+
+    ext = types.SimpleNamespace(MlpPlan=types.SimpleNamespace, sparse_mlp_fits=sparse_mlp_fits,
+                                chunked_sparse_fits=lambda *args: False)
+    monkeypatch.setattr(twell_mlp, "_PLANS", {})
+    monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(build, "cuda_extension", lambda: ext)
+    device = torch.device("cuda", 0)
+    for m in (1, 16, 4096):
+        assert not twell_mlp.call_plan(m, 5632, 2048, device).cublas
+        assert twell_mlp.call_plan(m, 50_000 * 64 + 1, 2048, device).cublas
+        assert twell_mlp.call_plan(m, 50_000 * 64 + 1, 2048, device).cuda is None
+    assert (88, 2048) in asked and (50_001, 2048) in asked  # ceil(F / 64) tiles
+    monkeypatch.setattr(twell_mlp, "_GATE_PLAN_OVERRIDE", "64,32,128,8,4,4")  # 32-column tiles
+    monkeypatch.setattr(twell_mlp, "_PLANS", {})
+    assert twell_mlp.call_plan(16, 30_000 * 64, 2048, device).cublas  # 60,000 tiles of 32
+    assert (60_000, 2048) in asked
+    monkeypatch.setattr(twell_mlp, "_GATE_PLAN_OVERRIDE", "")
+    # The down projection's output columns and the row count have limits of their own.
+    assert twell_mlp.call_plan(4, 5632, twell_mlp.MAX_KERNEL_OUT_FEATURES + 1, device).cublas
+    assert not twell_mlp.call_plan(4, 5632, twell_mlp.MAX_KERNEL_OUT_FEATURES, device).cublas
+    assert twell_mlp.call_plan(twell_mlp.MAX_KERNEL_ROWS + 1, 5632, 2048, device).cublas
+    # Past the chunked kernel's int32 entry count, a large call takes the row-by-row kernel instead.
+    monkeypatch.setattr(twell_mlp.config, "chunked_sparse_rows", 32768)
+    ext.chunked_sparse_fits = lambda *args: True
+    assert twell_mlp.call_plan(twell_mlp.MAX_CHUNKED_ROWS, 5632, 2048, device).cuda.chunked
+    assert not twell_mlp.call_plan(twell_mlp.MAX_CHUNKED_ROWS + 1, 5632, 2048, device).cuda.chunked
+
+
 def test_chunked_calls_decide_on_the_device_at_their_own_density(monkeypatch):
     """A chunked call's kernel gets the chunked density (1.8%) and the heavy-row limit; what the call
     returns for statistics is the kernel's decision per block (1: dense), which block_dense reads with
@@ -155,7 +197,7 @@ def test_chunked_calls_decide_on_the_device_at_their_own_density(monkeypatch):
 
     from twell_compile.kernels import build
 
-    ext = types.SimpleNamespace(MlpPlan=types.SimpleNamespace, chunked_sparse_fits=lambda *args: True)
+    ext = types.SimpleNamespace(MlpPlan=types.SimpleNamespace, sparse_mlp_fits=lambda *args: True, chunked_sparse_fits=lambda *args: True)
     monkeypatch.setattr(twell_mlp, "_PLANS", {})
     monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
     monkeypatch.setattr(build, "cuda_extension", lambda: ext)
@@ -281,6 +323,9 @@ def test_step_by_step_path_launches_what_the_one_call_path_launches(monkeypatch)
         def end_lease(self, weight):  # no lease was granted through the stand-in
             return -1, 0
 
+        def sparse_mlp_fits(self, n_tiles, d):  # (the plan's size check, not a launch)
+            return True
+
         def __getattr__(self, name):
             return lambda *args: calls.append(name)
 
@@ -322,7 +367,7 @@ def test_cublas_rows_are_a_host_side_choice_by_row_count(monkeypatch):
 
     from twell_compile.kernels import build
 
-    ext = types.SimpleNamespace(MlpPlan=types.SimpleNamespace, chunked_sparse_fits=lambda *args: True)
+    ext = types.SimpleNamespace(MlpPlan=types.SimpleNamespace, sparse_mlp_fits=lambda *args: True, chunked_sparse_fits=lambda *args: True)
     monkeypatch.setattr(twell_mlp, "_PLANS", {})
     monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
     monkeypatch.setattr(build, "cuda_extension", lambda: ext)
@@ -351,7 +396,7 @@ def test_gate_runs_ping_pong_in_single_ctas_where_its_waves_waste_less(monkeypat
 
     from twell_compile.kernels import build
 
-    ext = types.SimpleNamespace(MlpPlan=types.SimpleNamespace, chunked_sparse_fits=lambda *args: True)
+    ext = types.SimpleNamespace(MlpPlan=types.SimpleNamespace, sparse_mlp_fits=lambda *args: True, chunked_sparse_fits=lambda *args: True)
     monkeypatch.setattr(twell_mlp, "_PLANS", {})
     monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
     monkeypatch.setattr(build, "cuda_extension", lambda: ext)

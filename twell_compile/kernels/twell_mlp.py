@@ -580,7 +580,7 @@ class CallPlan:
     thresholds: tuple[int, int, int]  # what block_dense applies to the call's third result
     gate: GatePlan  # the gate's tiles and slots (cap per row-tile), as the CUDA path packs them
     cuda: object | None  # the extension's MlpPlan for the one-call path; None where settings rule it out
-    cublas: bool = False  # the dense MLP through cuBLAS instead of a TwELL path (config.cublas_rows)
+    cublas: bool = False  # the dense MLP through cuBLAS instead of a TwELL path (config.cublas_rows, _kernels_fit)
     route_class: str | None = None  # the size class for routing by density; None: the call is not routed
     route_thresholds: tuple[int, int, int] | None = None  # its reports' dense-block test, if not `thresholds`
 
@@ -610,7 +610,7 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     operands with contiguous 16-byte aligned rows (it checks that per call and declines otherwise):
     the choices the general path below makes, for that case."""
     plan = gate_plan(m, True)
-    if config.cublas_rows[0] <= m <= config.cublas_rows[1]:
+    if config.cublas_rows[0] <= m <= config.cublas_rows[1] or not _kernels_fit(m, f, d):
         return CallPlan((0, 0, 0), plan, None, cublas=True)
     sms = _num_sms(device)
     launch = sparse_launch(m, d, sms, d % 8 == 0)  # aligned rows: 16-byte rows everywhere but maybe out's
@@ -676,10 +676,29 @@ def pingpong_gate_fills_waves_better(m: int, f: int, ctas: int) -> bool:
     return pingpong_waves * PINGPONG_GATE_TILE_COST < (1 - PINGPONG_GATE_MIN_GAIN) * 2 * cooperative_waves
 
 
+# Sizes past the TwELL kernels' limits, each far beyond any model's, which _kernels_fit sends to cuBLAS.
+MAX_KERNEL_ROWS = 2**31 - 256  # the GEMMs' row walks count rows in int32, 256-row steps included
+MAX_KERNEL_OUT_FEATURES = 65535 * 128  # the down projection's 128-column tiles in a grid's y (Triton)
+# The chunked kernel counts its entries (at most kChunkMaxRowEntries, 256, per row) in int32.
+MAX_CHUNKED_ROWS = 2**31 // 256 - 1
+
+
+def _kernels_fit(m: int, f: int, d: int) -> bool:
+    """Whether a call of this size is within every TwELL kernel's limits. The tightest is the row-by-row
+    sparse kernel's shared memory, which grows with the tiles of F: it is judged at the narrowest gate
+    tile either gate could use (the Triton gate's 64 columns, or a TWELL_GATE_PLAN's), which on an H200
+    puts the limit at F of about 3.0-3.6 million, by D. (That also keeps F's tiles under the 65535 of a
+    Triton grid's y.) A call past any limit runs the dense MLP through cuBLAS, exact and as fast as dense,
+    rather than failing inside a launch."""
+    tile = min(gate_plan(m, True).tile_n, gate_plan(m, False).tile_n, 64)
+    return (m <= MAX_KERNEL_ROWS and d <= MAX_KERNEL_OUT_FEATURES
+            and build.cuda_extension().sparse_mlp_fits(-(-f // tile), d))
+
+
 def _chunked(m: int, f: int, d: int, launch: SparseLaunch) -> bool:
     """Whether the one-call path runs the chunked sparse kernel (``config.chunked_sparse_rows``). Its
     operands there have 16-byte rows (K % 8 == 0 and D % 8 == 0), so only F decides whether it fits."""
-    return (0 < config.chunked_sparse_rows <= m and not launch.entry_split and d % 8 == 0
+    return (0 < config.chunked_sparse_rows <= m <= MAX_CHUNKED_ROWS and not launch.entry_split and d % 8 == 0
             and build.cuda_extension().chunked_sparse_fits(8, f, d, 2, True))
 
 
