@@ -213,6 +213,101 @@ def test_explain_counts_graph_breaks_and_can_stay_quiet(capsys):
     assert [r.rewritten_count for r in result.graph_reports] == [1, 1]
 
 
+class _LayerBreakingInside(torch.nn.Module):
+    """A layer with a graph break before its MLP: Dynamo compiles the layer's own frame."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.mlp = GatedMLP(HIDDEN, INTER)
+
+    def forward(self, x):
+        x = self.norm(x)
+        torch._dynamo.graph_break()
+        return x + self.mlp(x)
+
+
+class _Layers(torch.nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_LayerBreakingInside() for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_explain_names_the_modules_a_layer_frame_ran_for():
+    """One graph of a layer's frame serves every layer: its block is named relative to the frame, under
+    a title listing the layers whose parameters its calls were passed."""
+    result = twell_compile.explain(_Layers(3), _x(2), print_report=False)
+    [report] = [r for r in result.graph_reports if r.rewritten_count]
+    assert [c.module_path for c in report.candidates] == ["mlp"]
+    assert report.graph_name == ("one frame, run for 3 modules: layers.0, layers.1, layers.2 "
+                                 "(block paths are relative to each)")
+    assert "twell rewrite report for one frame, run for 3 modules" in str(result)
+
+
+def test_explain_gives_full_paths_where_a_layer_frame_ran_once():
+    result = twell_compile.explain(_Layers(1), _x(2), print_report=False)
+    [report] = [r for r in result.graph_reports if r.rewritten_count]
+    assert [c.module_path for c in report.candidates] == ["layers.0.mlp"]
+    assert report.graph_name == "the frame of layers.0"
+    # Graphs of the model's own frame keep their names as they are.
+    whole = twell_compile.explain(Stack([GatedMLP(HIDDEN, INTER), ReluMLP(HIDDEN, INTER)], HIDDEN), _x(2),
+                                  print_report=False)
+    assert [[c.module_path for c in r.candidates] for r in whole.graph_reports] == [["layers.0.mlp", "layers.1.mlp"]]
+    assert "frame" not in whole.graph_reports[0].graph_name
+
+
+def test_frame_module_needs_its_inputs_to_agree():
+    from twell_compile.frame_names import frame_module
+
+    a, b, c, tied = (torch.zeros(1) for _ in range(4))
+    names = {id(a): ["m.layers.0.mlp.w"], id(b): ["m.layers.1.mlp.v"], id(c): ["mlp.w"],
+             id(tied): ["m.layers.0.mlp.v", "m.layers.1.mlp.v"]}
+    inputs = [(0, "mlp.w"), (1, "mlp.v")]
+    assert frame_module((a, a), [(0, "mlp.w")], names) == "m.layers.0"
+    assert frame_module((a, b), inputs, names) is None  # two layers' parameters: no single frame
+    assert frame_module((a, tied), inputs, names) == "m.layers.0"  # a tied weight allows both layers
+    assert frame_module((tied,), [(0, "mlp.v")], names) is None  # ... and alone tells neither
+    assert frame_module((c,), [(0, "mlp.w")], names) == ""  # the model's own frame
+    assert frame_module((torch.zeros(1),), [(0, "mlp.w")], names) is None  # not the model's
+
+
+def test_explain_names_layers_that_share_a_tied_weight():
+    model = _Layers(2)
+    model.layers[1].mlp.up_proj.weight = model.layers[0].mlp.up_proj.weight
+    result = twell_compile.explain(model, _x(2), print_report=False)
+    [report] = [r for r in result.graph_reports if r.rewritten_count]
+    assert report.graph_name.startswith("one frame, run for 2 modules: layers.0, layers.1 ")
+
+
+def test_name_blocks_keeps_what_it_cannot_place():
+    from twell_compile.frame_names import UNKNOWN, name_blocks
+    from twell_compile.passes.report import CandidateBlock, RewriteReport
+
+    def report(path):
+        return RewriteReport([CandidateBlock("gated", "rewritten", "", path, "")], graph_name="GraphModule")
+
+    model = _Layers(2)
+    one = report("nodes linear..down")  # a block at the frame's own level has no module path
+    name_blocks(one, ["layers.1"], model)
+    assert one.candidates[0].module_path == "layers.1 (nodes linear..down)"
+    partly = report("mlp")  # one call named its module, another did not: no full path is given
+    name_blocks(partly, ["layers.1", UNKNOWN], model)
+    assert partly.candidates[0].module_path == "mlp"
+    assert partly.graph_name == ("one frame, run for 1 module: layers.1 and calls of a module its inputs do "
+                                 "not name (block paths are relative to each)")
+    mixed = report("mlp")
+    name_blocks(mixed, ["", "layers.1"], model)
+    assert mixed.graph_name.startswith("one frame, run for 2 modules: <model>, layers.1 ")
+    root = report("layers.0.mlp")
+    name_blocks(root, [""], model)
+    assert (root.candidates[0].module_path, root.graph_name) == ("layers.0.mlp", "GraphModule")
+
+
 def test_explain_runs_its_ops_with_the_density_router_paused(monkeypatch):
     """explain's analysis run must not take or set a layer's route (density_route.paused): a model later
     compiled would otherwise start from the routes of the example inputs."""

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from . import ops  # noqa: F401  (the rewritten graphs call torch.ops.twell.*)
+from . import frame_names, ops  # noqa: F401  (ops: the rewritten graphs call torch.ops.twell.*)
 from .options import TwellOptions, parse_options
 from .passes import run_passes
 from .passes.pass_manager import higher_order_bodies
@@ -167,8 +167,10 @@ def explain(
     are analysed directly (their copy is rewritten, not the original).
 
     Where a graph break falls inside a layer, Dynamo compiles that layer's frame once and every layer
-    runs the same graph: its blocks are named relative to the frame (``mlp``, not ``layers.3.mlp``)
-    and reported once, while the sparsity table still has a row for every op call.
+    runs the same graph. Its blocks are reported once: with their full paths where the graph ran for one
+    module, else relative to the frame (``mlp``) under a title that lists the modules it ran for
+    (``model.layers.0, model.layers.1, ..., model.layers.37``), found from the parameters each call
+    was passed. The sparsity table still has a row for every op call.
     """
     twell_options = _twell_options(options)
     if isinstance(model, (fx.GraphModule, torch.export.ExportedProgram)) or not isinstance(model, torch.nn.Module):
@@ -182,11 +184,16 @@ def explain(
 
         captured: list[RewriteReport] = []
         captured_ids: list[object] = []
+        names = frame_names.tensor_names(model)
+        frames: list[tuple[RewriteReport, list]] = []  # each report, and the modules whose frame its graph ran
 
         def analyse(gm: fx.GraphModule, inputs):
             rewritten = _copy_graph_module(gm)
-            add_report(captured, captured_ids, run_passes(rewritten, twell_options))  # (restarts counted once)
-            return rewritten.forward  # run eagerly, so the twell ops record their sparsity
+            report = run_passes(rewritten, twell_options)
+            add_report(captured, captured_ids, report)  # (restarts counted once)
+            frames.append((report, []))
+            # Run eagerly, so the twell ops record their sparsity, noting which module each call served.
+            return frame_names.recording_calls(rewritten.forward, gm, names, frames[-1][1])
 
         # A fresh compile of the model with a backend that only analyses; the model is run once, with the
         # density router paused, so that this run neither takes nor sets any layer's route.
@@ -198,6 +205,9 @@ def explain(
                 "twell.explain: Dynamo captured no graph of the model, so it ran eagerly: its frames are "
                 "skipped (torch.compiler.disable) or have reached Dynamo's recompile_limit (repeated "
                 "explain calls fill it on torch older than 2.12; torch._dynamo.reset() clears it)")
+        for report, seen in frames:
+            if any(report is r for r in captured):  # (not one a restart replaced)
+                frame_names.name_blocks(report, seen, model)
         result = ExplainReport(captured, graph_break_count=max(len(captured) - 1, 0),
                                sparsity=recorder.table() if recorder.calls() else None)
     if print_report:
