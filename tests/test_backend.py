@@ -3,6 +3,7 @@ recompiles and dynamic shapes, training and autocast."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -128,9 +129,45 @@ def test_mode_config_patches():
     assert no_cudagraphs["max_autotune"] is True and not no_cudagraphs.get("triton.cudagraphs", False)
 
 
+def test_every_mode_of_this_torchs_inductor_is_taken():
+    for mode, patches in _inductor_modes().items():
+        assert _mode_config_patches(mode) == patches, mode
+
+
+def _inductor_modes() -> dict:
+    import torch._inductor
+
+    return torch._inductor.list_mode_options()
+
+
+@pytest.mark.skipif("lite" not in _inductor_modes(), reason="no lite mode (torch < 2.12)")
+def test_lite_mode_compiles(compile_fx_spy):
+    model, x = GatedMLP(), _x(2, 3)
+    out = torch.compile(model, backend="twell", mode="lite")(x)
+    torch.testing.assert_close(out, model(x))
+    (call,) = compile_fx_spy.calls
+    assert call["config_patches"] == _inductor_modes()["lite"]
+    assert twell_targets(call["gm"]) == ["twell.gated_relu_mlp.default"]
+
+
 def test_unknown_mode_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"twell: unknown mode 'fastest'; expected one of default, reduce-overhead"):
+    with pytest.raises(ValueError, match=r"twell: unknown mode 'fastest'; expected one of default, .*reduce-overhead"):
         _mode_config_patches("fastest")
+
+
+def test_cuda_graphs_keep_cupti_as_torch_compile_does(monkeypatch):
+    from torch import _utils_internal
+
+    from twell_compile import backend
+
+    monkeypatch.setattr(os, "environ", {})  # (a stand-in the backend writes to, dropped after the test)
+    monkeypatch.setattr(_utils_internal, "profiler_allow_cudagraph_cupti_lazy_reinit_cuda12", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    backend._keep_cupti_for_cuda_graphs()
+    assert "TEARDOWN_CUPTI" not in os.environ
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    backend._keep_cupti_for_cuda_graphs()
+    assert (os.environ["DISABLE_CUPTI_LAZY_REINIT"], os.environ["TEARDOWN_CUPTI"]) == ("1", "0")
 
 
 def test_unknown_mode_through_torch_compile(compile_fx_spy):
@@ -444,3 +481,12 @@ def test_reduce_overhead_captures_cuda_graphs_on_gpu():
     assert sum(r.gated_count for r in reports) == 1 and sum(r.non_gated_count for r in reports) == 1
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
     torch.testing.assert_close(out.float(), expected.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_inductor_prefix_names_inductors_own_option():
+    """``debug`` is twell's; ``inductor.debug`` is Inductor's (the prefix reaches any Inductor option)."""
+    assert parse_options({"inductor.debug": True}) == (TwellOptions(), {"debug": True})
+    assert parse_options({"inductor.max-autotune": True, "debug": True}) == (TwellOptions(debug=True),
+                                                                            {"max_autotune": True})
+    with pytest.raises(ValueError, match=r"twell: unknown option 'inductor.no_such_option'"):
+        parse_options({"inductor.no_such_option": True})

@@ -6,6 +6,7 @@ Inductor still compiles and fuses everything around the ops.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -15,8 +16,6 @@ from . import ops  # noqa: F401  (registers torch.ops.twell.* before any graph u
 from .options import parse_options
 from .passes import run_passes
 from .passes.report import RewriteReport
-
-_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # Reports of the graphs compiled in this process, newest last (see ``last_reports``), with the Dynamo
 # compile id of each: a restarted analysis of the same frame calls the backend again under the same id,
@@ -50,14 +49,31 @@ def _record(report: RewriteReport) -> None:
 
 
 def _mode_config_patches(mode: str | None) -> dict[str, Any]:
-    """The Inductor settings a mode stands for (``reduce-overhead`` means CUDA graphs)."""
+    """The Inductor settings a mode stands for (``reduce-overhead`` means CUDA graphs): any mode this
+    torch's Inductor has (``lite`` since 2.12)."""
     if mode is None or mode == "default":
         return {}
-    if mode not in _MODES:
-        raise ValueError(f"twell: unknown mode {mode!r}; expected one of {', '.join(_MODES)}")
     import torch._inductor
 
-    return dict(torch._inductor.list_mode_options(mode))
+    modes = torch._inductor.list_mode_options()
+    if mode not in modes:
+        raise ValueError(f"twell: unknown mode {mode!r}; expected one of {', '.join(modes)}")
+    return dict(modes[mode])
+
+
+def _keep_cupti_for_cuda_graphs() -> None:
+    """What torch.compile's own Inductor wrapper does when CUDA graphs are on (``torch/__init__.py``,
+    ``_TorchCompileInductorWrapper``): where the profiler's CUPTI cannot be re-initialised lazily with
+    CUDA graphs (CUDA before 12.6, or as torch's internal setting says), it is kept from tearing down,
+    which otherwise crashes a profiled run of the captured graphs."""
+    from torch import _utils_internal
+    from torch.torch_version import TorchVersion
+
+    cuda = getattr(torch.version, "cuda", None)
+    allow_lazy_reinit = getattr(_utils_internal, "profiler_allow_cudagraph_cupti_lazy_reinit_cuda12", lambda: True)
+    if (cuda is not None and TorchVersion(cuda) < "12.6") or not allow_lazy_reinit():
+        os.environ["DISABLE_CUPTI_LAZY_REINIT"] = "1"
+        os.environ["TEARDOWN_CUPTI"] = "0"
 
 
 def twell_backend(
@@ -73,6 +89,8 @@ def twell_backend(
         raise TypeError(f"twell: unexpected backend arguments {sorted(unexpected)}; accepted are mode and options")
     twell_options, inductor_patches = parse_options(options)
     config_patches = {**_mode_config_patches(mode), **inductor_patches}
+    if config_patches.get("triton.cudagraphs", False):
+        _keep_cupti_for_cuda_graphs()
 
     report = run_passes(gm, twell_options)
     _record(report)

@@ -45,6 +45,10 @@ def _check_inductor_type(key: str, name: str, value: Any) -> None:
         raise TypeError(f"twell: Inductor option {key!r} must be a {expected.__name__}, got {value!r}")
 
 
+INDUCTOR_PREFIX = "inductor."
+"""Before an option name, says it is Inductor's: reaches Inductor's ``debug``, which ``debug`` (twell's) hides."""
+
+
 def parse_options(options: Mapping[str, Any] | None) -> tuple[TwellOptions, dict[str, Any]]:
     """Splits ``options`` into twell settings and Inductor config patches, rejecting unknown keys."""
     if options is None:
@@ -63,6 +67,8 @@ def parse_options(options: Mapping[str, Any] | None) -> tuple[TwellOptions, dict
             continue
         inductor_keys = inductor_keys if inductor_keys is not None else _inductor_config_keys()
         name = key.replace("-", "_") if isinstance(key, str) else key  # (Inductor takes dashed spellings too)
+        if isinstance(name, str) and name.startswith(INDUCTOR_PREFIX):
+            name = name[len(INDUCTOR_PREFIX):]  # Inductor's namesake of a twell option ("inductor.debug")
         if name in inductor_keys:
             _check_inductor_type(key, name, value)
             inductor_patches[name] = value
@@ -71,6 +77,7 @@ def parse_options(options: Mapping[str, Any] | None) -> tuple[TwellOptions, dict
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
         raise ValueError(
             f"twell: unknown option {key!r}.{hint} twell options are {', '.join(twell_names)}; "
-            f"any Inductor config name (torch._inductor.config) is also accepted."
+            f"any Inductor config name (torch._inductor.config) is also accepted, 'inductor.' before it "
+            f"to name Inductor's own where twell has one of that name."
         )
     return TwellOptions(**twell_values), inductor_patches

@@ -79,7 +79,7 @@ class SparsityRecorder:
 
     def table(self) -> str:
         lines = [f"{'call':>4} {'op':<15} {'rows':>8} {'width':>6} {'mean nnz/row':>12} {'max nnz/row':>11} "
-                 f"{'overflow rows':>13} {'dense blocks':>12} {'path':<9}"]
+                 f"{'overflow rows':>13} {'dense blocks':>12} {'path'}"]
         for i, c in enumerate(self.calls()):
             overflow = "-" if c.overflow_rows is None else str(c.overflow_rows)
             dense = "-" if c.dense_blocks is None else f"{c.dense_blocks}/{c.blocks}"
