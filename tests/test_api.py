@@ -261,6 +261,26 @@ def test_explain_gives_full_paths_where_a_layer_frame_ran_once():
     assert "frame" not in whole.graph_reports[0].graph_name
 
 
+def test_explain_says_when_dynamo_reached_its_recompile_limit():
+    """Layers that each make Dynamo recompile their frame (a guard on a string attribute here; a Hugging
+    Face KV cache's per-layer state does the same) run eagerly past the recompile limit: explain says so."""
+    model = _Layers(4)
+    for i, layer in enumerate(model.layers):
+        layer.tag = f"layer {i}"
+    layer_forward = _LayerBreakingInside.forward
+
+    def tagged_forward(self, x):
+        return layer_forward(self, x) * (2.0 if self.tag.endswith("0") else 1.0)
+
+    plain = twell_compile.explain(_Layers(3), _x(2), print_report=False)
+    assert not plain.recompile_limit_hit and "recompile limit" not in str(plain)
+    with torch._dynamo.config.patch(recompile_limit=2), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_LayerBreakingInside, "forward", tagged_forward)
+        result = twell_compile.explain(model, _x(2), print_report=False)
+    assert result.recompile_limit_hit
+    assert "note: Dynamo reached its recompile limit on this run" in str(result)
+
+
 def test_frame_module_needs_its_inputs_to_agree():
     from twell_compile.frame_names import frame_module
 

@@ -36,6 +36,14 @@ _ISOLATED = ({"isolate_recompiles": True}
              if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
 
 
+def _recompile_limit_hits() -> int:
+    """How often Dynamo has given up on a frame at a recompile limit in this process (its graph-break
+    counter of that name; 0 where this torch counts it otherwise)."""
+    from torch._dynamo.utils import counters
+
+    return sum(n for reason, n in counters["unimplemented"].items() if str(reason).startswith("Dynamo recompile limit"))
+
+
 @contextlib.contextmanager
 def _buffers_restored(model: torch.nn.Module):
     """Puts the model's buffers back as they were (same tensors, same values) when the block ends."""
@@ -123,6 +131,8 @@ class ExplainReport:
     graph_break_count: int
     sparsity: str | None = None
     """Per-call sparsity table of the twell ops on the example inputs (None for FX graphs)."""
+    recompile_limit_hit: bool = False
+    """Dynamo reached a recompile limit during the run: frames past it ran eagerly, uncaptured."""
 
     @property
     def rewritten(self) -> int:
@@ -137,6 +147,10 @@ class ExplainReport:
             f"twell explain: {len(self.graph_reports)} graph(s), {self.graph_break_count} graph break(s); "
             f"{self.rewritten} block(s) rewritten, {self.left_alone} left alone"
         ]
+        if self.recompile_limit_hit:
+            lines.append("note: Dynamo reached its recompile limit on this run (see its warning), so the calls of "
+                         "some frames past it ran eagerly and their blocks are missing here; raising "
+                         "torch._dynamo.config.recompile_limit lets it capture them")
         for i, report in enumerate(self.graph_reports):
             lines.append(f"\n=== graph {i} ===")
             lines.append(str(report))
@@ -170,7 +184,9 @@ def explain(
     runs the same graph. Its blocks are reported once: with their full paths where the graph ran for one
     module, else relative to the frame (``mlp``) under a title that lists the modules it ran for
     (``model.layers.0, model.layers.1, ..., model.layers.37``), found from the parameters each call
-    was passed. The sparsity table still has a row for every op call.
+    was passed. The sparsity table still has a row for every op call. Where layers make Dynamo
+    recompile their frame one by one (a graph break inside layers that keep per-layer cache state) and
+    it reaches its recompile limit, the layers past it run eagerly, and the report says so.
     """
     twell_options = _twell_options(options)
     if isinstance(model, (fx.GraphModule, torch.export.ExportedProgram)) or not isinstance(model, torch.nn.Module):
@@ -198,8 +214,10 @@ def explain(
         # A fresh compile of the model with a backend that only analyses; the model is run once, with the
         # density router paused, so that this run neither takes nor sets any layer's route.
         compiled = torch.compile(model, backend=analyse, **_ISOLATED)
+        limit_hits = _recompile_limit_hits()
         with _buffers_restored(model), record_sparsity() as recorder, density_route.paused():
             compiled(*example_inputs)
+        limit_hit = _recompile_limit_hits() > limit_hits
         if not captured:
             raise RuntimeError(
                 "twell.explain: Dynamo captured no graph of the model, so it ran eagerly: its frames are "
@@ -209,7 +227,8 @@ def explain(
             if any(report is r for r in captured):  # (not one a restart replaced)
                 frame_names.name_blocks(report, seen, model)
         result = ExplainReport(captured, graph_break_count=max(len(captured) - 1, 0),
-                               sparsity=recorder.table() if recorder.calls() else None)
+                               sparsity=recorder.table() if recorder.calls() else None,
+                               recompile_limit_hit=limit_hit)
     if print_report:
         print(result)
     return result
