@@ -140,7 +140,7 @@ def _inductor_modes() -> dict:
     return torch._inductor.list_mode_options()
 
 
-@pytest.mark.skipif("lite" not in _inductor_modes(), reason="no lite mode (torch < 2.12)")
+@pytest.mark.skipif("lite" not in _inductor_modes(), reason="this torch's Inductor has no lite mode")
 def test_lite_mode_compiles(compile_fx_spy):
     model, x = GatedMLP(), _x(2, 3)
     out = torch.compile(model, backend="twell", mode="lite")(x)

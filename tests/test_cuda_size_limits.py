@@ -84,4 +84,3 @@ def test_intermediate_past_the_sparse_kernels_shared_memory_runs_on_cublas(m, ga
     assert [c.path for c in recorder.calls()] == ["cublas"]
     result = check_output(out, ref64, dense)
     assert result.failure is None, result.failure
-

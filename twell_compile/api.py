@@ -186,7 +186,9 @@ def explain(
     (``model.layers.0, model.layers.1, ..., model.layers.37``), found from the parameters each call
     was passed. The sparsity table still has a row for every op call. Where layers make Dynamo
     recompile their frame one by one (a graph break inside layers that keep per-layer cache state) and
-    it reaches its recompile limit, the layers past it run eagerly, and the report says so.
+    it reaches its recompile limit, the layers past it run eagerly, and the report says so (for limits
+    reached during this call: on torch before 2.12, frames that reached it in an earlier compile of the
+    model stay eager without a note).
     """
     twell_options = _twell_options(options)
     if isinstance(model, (fx.GraphModule, torch.export.ExportedProgram)) or not isinstance(model, torch.nn.Module):

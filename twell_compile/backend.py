@@ -50,7 +50,7 @@ def _record(report: RewriteReport) -> None:
 
 def _mode_config_patches(mode: str | None) -> dict[str, Any]:
     """The Inductor settings a mode stands for (``reduce-overhead`` means CUDA graphs): any mode this
-    torch's Inductor has (``lite`` since 2.12)."""
+    torch's Inductor has (``lite`` too, in 2.11 and later)."""
     if mode is None or mode == "default":
         return {}
     import torch._inductor

@@ -28,7 +28,7 @@ def _source_name(node: fx.Node) -> str | None:
     if source is None:
         return None
     name = source.name
-    return name() if callable(name) else name  # (a method before torch 2.12, a property since)
+    return name() if callable(name) else name  # (a method in older torch, a property in 2.11 on)
 
 
 def parameter_inputs(gm: fx.GraphModule) -> list[tuple[int, str]]:
