@@ -2,8 +2,9 @@
 
 - Calls whose output and backup buffers hold more than 2**31 elements (M * F past int32) must come out
   exact on every path: the kernels index them in 64 bits.
-- An intermediate size past the sparse kernel's shared memory (about 3.4 million units on an H200)
-  runs the dense MLP through cuBLAS, exactly, instead of a launch that fails.
+- An intermediate size past the sparse kernel's shared memory (about 3.0-3.6 million units on an H200,
+  by D) runs the dense MLP through cuBLAS, exactly, instead of a launch that fails; one just inside it
+  runs the TwELL kernels, exactly.
 """
 
 from __future__ import annotations
@@ -82,5 +83,26 @@ def test_intermediate_past_the_sparse_kernels_shared_memory_runs_on_cublas(m, ga
         out = op(*args)
         torch.cuda.synchronize()
     assert [c.path for c in recorder.calls()] == ["cublas"]
+    result = check_output(out, ref64, dense)
+    assert result.failure is None, result.failure
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("m", [1, 129])  # the entry split at decode, the 128-thread launch past it
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_intermediate_just_inside_the_limit_runs_the_twell_kernels(m, gated):
+    """The largest sizes the plan still gives the TwELL kernels (F = 3.5 million: 54,688 tiles of 64, so
+    27,344 of the CUDA gate's 128 and about 115 KB of sparse-kernel shared memory) are exact."""
+    ext = build.cuda_extension()
+    f, k, d = 3_500_000, 16, 24
+    assert ext.sparse_mlp_fits(-(-f // 64), d)
+    problem = make_problem(m, k, f, d, nnz_per_row=24.0, gated=gated, bias=True)
+    ref64, dense = problem_references(problem, gated)
+    op = torch.ops.twell.gated_relu_mlp if gated else torch.ops.twell.relu_mlp
+    args = problem.gated_args() if gated else problem.non_gated_args()
+    with kernel_config(poison_buffers=True, **KERNEL_PATHS["auto"]), stats.record_sparsity() as recorder:
+        out = op(*args)
+        torch.cuda.synchronize()
+    assert [c.path for c in recorder.calls()] == ["twell"]
     result = check_output(out, ref64, dense)
     assert result.failure is None, result.failure
