@@ -66,25 +66,29 @@ def test_outputs_past_int32_elements_are_exact(gated):
         del out
 
 
+def _exact_narrow_call_paths(m: int, f: int, gated: bool) -> list[str]:
+    """Runs one call of K 16, D 24 and intermediate size ``f`` (biases on, the cuBLAS row range off, so
+    that only the size decides the route), checks it against float64, and returns the paths it took."""
+    problem = make_problem(m, 16, f, 24, nnz_per_row=24.0, gated=gated, bias=True)
+    ref64, dense = problem_references(problem, gated)
+    op = torch.ops.twell.gated_relu_mlp if gated else torch.ops.twell.relu_mlp
+    args = problem.gated_args() if gated else problem.non_gated_args()
+    with kernel_config(poison_buffers=True, **KERNEL_PATHS["auto"]), stats.record_sparsity() as recorder:
+        out = op(*args)
+        torch.cuda.synchronize()
+    result = check_output(out, ref64, dense)
+    assert result.failure is None, result.failure
+    return [c.path for c in recorder.calls()]
+
+
 @requires_twell_kernels
 @pytest.mark.parametrize("m", [1, 16, 300])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 def test_intermediate_past_the_sparse_kernels_shared_memory_runs_on_cublas(m, gated):
     ext = build.cuda_extension()
-    f, k, d = 3_600_000, 16, 24
     assert ext.sparse_mlp_fits(-(-5632 // 64), 2048)
-    assert not ext.sparse_mlp_fits(-(-f // 64), d)  # (232,448 bytes on an H100 or H200)
-    problem = make_problem(m, k, f, d, nnz_per_row=24.0, gated=gated, bias=True)
-    ref64, dense = problem_references(problem, gated)
-    op = torch.ops.twell.gated_relu_mlp if gated else torch.ops.twell.relu_mlp
-    args = problem.gated_args() if gated else problem.non_gated_args()
-    # Even with the cuBLAS row range switched off: the size alone decides.
-    with kernel_config(poison_buffers=True, **KERNEL_PATHS["auto"]), stats.record_sparsity() as recorder:
-        out = op(*args)
-        torch.cuda.synchronize()
-    assert [c.path for c in recorder.calls()] == ["cublas"]
-    result = check_output(out, ref64, dense)
-    assert result.failure is None, result.failure
+    assert not ext.sparse_mlp_fits(-(-3_600_000 // 64), 24)  # (232,448 bytes on an H100 or H200)
+    assert _exact_narrow_call_paths(m, 3_600_000, gated) == ["cublas"]
 
 
 @requires_twell_kernels
@@ -93,16 +97,5 @@ def test_intermediate_past_the_sparse_kernels_shared_memory_runs_on_cublas(m, ga
 def test_intermediate_just_inside_the_limit_runs_the_twell_kernels(m, gated):
     """The largest sizes the plan still gives the TwELL kernels (F = 3.5 million: 54,688 tiles of 64, so
     27,344 of the CUDA gate's 128 and about 115 KB of sparse-kernel shared memory) are exact."""
-    ext = build.cuda_extension()
-    f, k, d = 3_500_000, 16, 24
-    assert ext.sparse_mlp_fits(-(-f // 64), d)
-    problem = make_problem(m, k, f, d, nnz_per_row=24.0, gated=gated, bias=True)
-    ref64, dense = problem_references(problem, gated)
-    op = torch.ops.twell.gated_relu_mlp if gated else torch.ops.twell.relu_mlp
-    args = problem.gated_args() if gated else problem.non_gated_args()
-    with kernel_config(poison_buffers=True, **KERNEL_PATHS["auto"]), stats.record_sparsity() as recorder:
-        out = op(*args)
-        torch.cuda.synchronize()
-    assert [c.path for c in recorder.calls()] == ["twell"]
-    result = check_output(out, ref64, dense)
-    assert result.failure is None, result.failure
+    assert build.cuda_extension().sparse_mlp_fits(-(-3_500_000 // 64), 24)
+    assert _exact_narrow_call_paths(m, 3_500_000, gated) == ["twell"]
