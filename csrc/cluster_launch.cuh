@@ -18,6 +18,15 @@ namespace twell {
 constexpr int kPortableClusterMax = 8;   // what every sm_90 part schedules
 constexpr int kNonPortableClusterMax = 16;  // H100 / H200, with the kernel's opt-in
 
+// The current device's opt-in limit of dynamic shared memory per block (232,448 bytes on an H100 or
+// H200): what the size checks of the kernels whose shared memory grows with F compare against.
+inline size_t current_device_optin_smem() {
+  int device = 0, max_smem = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return static_cast<size_t>(max_smem);
+}
+
 // Whether the launches made on this thread carry the programmatic-stream-serialization attribute
 // (programmatic dependent launch): a kernel may then be scheduled before the previous kernel in the
 // stream has finished, and waits for it on the device (the first thing each kernel launched here does:

@@ -840,11 +840,8 @@ size_t chunked_smem_bytes(int64_t F, int64_t element_size) {
 }
 
 bool chunked_sparse_fits(int64_t K, int64_t F, int64_t D, int64_t element_size, bool gated) {
-  int device = 0, max_smem = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   return F >= 1 && (F + kZeroUnits) * 8 <= 0x10000 && D % kSlice == 0 && (!gated || K % kSlice == 0) &&
-         chunked_smem_bytes(F, element_size) <= static_cast<size_t>(max_smem);
+         chunked_smem_bytes(F, element_size) <= current_device_optin_smem();
 }
 
 int64_t chunked_heavy_capacity(int64_t M, int64_t thr_heavy) {

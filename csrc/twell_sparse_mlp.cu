@@ -473,11 +473,8 @@ void dispatch_shape(const at::Tensor& x, const at::Tensor& packed, const at::Ten
 // (_kernels_fit in twell_mlp.py).
 bool sparse_mlp_fits(int64_t n_tiles, int64_t D) {
   if (n_tiles < 1 || D < 1 || n_tiles > (int64_t{1} << 30)) return false;
-  int device = 0, max_smem = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   const int64_t partial_cols = D <= 4 * 256 * 8 ? D : 0;
-  return sparse_smem_bytes(n_tiles, 256, partial_cols) + kStaticSmemReserve <= static_cast<size_t>(max_smem);
+  return sparse_smem_bytes(n_tiles, 256, partial_cols) + kStaticSmemReserve <= current_device_optin_smem();
 }
 
 // Fills the rows of `out` whose decision block is sparse; see the file comment.

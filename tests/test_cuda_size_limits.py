@@ -4,7 +4,8 @@
   exact on every path: the kernels index them in 64 bits.
 - An intermediate size past the sparse kernel's shared memory (about 3.0-3.6 million units on an H200,
   by D) runs the dense MLP through cuBLAS, exactly, instead of a launch that fails; one just inside it
-  runs the TwELL kernels, exactly.
+  runs the TwELL kernels, exactly. The private step-by-step path, called directly past it, raises a
+  twell error.
 """
 
 from __future__ import annotations
@@ -99,3 +100,17 @@ def test_intermediate_just_inside_the_limit_runs_the_twell_kernels(m, gated):
     27,344 of the CUDA gate's 128 and about 115 KB of sparse-kernel shared memory) are exact."""
     assert build.cuda_extension().sparse_mlp_fits(-(-3_500_000 // 64), 24)
     assert _exact_narrow_call_paths(m, 3_500_000, gated) == ["twell"]
+
+
+@requires_twell_kernels
+@pytest.mark.parametrize("m", [1, 300])
+def test_step_by_step_path_past_the_limit_raises_a_twell_error(m):
+    """F = 7.3 million, past the sparse kernel's shared memory even at the CUDA gate's 128-column tiles:
+    called directly, the private path raises before any launch (it used to fail in the sparse launch with
+    CUDA's "invalid argument"; under pytest with xdist, twice, the process crashed there instead)."""
+    from twell_compile.kernels import twell_mlp
+
+    p = make_problem(m, 16, 7_300_000, 24, nnz_per_row=24.0, gated=True, bias=True)
+    with pytest.raises(ValueError, match="past the TwELL kernels' limits"):
+        twell_mlp._twell_mlp_general(p.x, p.gate_weight, p.gate_bias, p.up_weight, p.up_bias, p.down_weight,
+                                     p.down_bias)

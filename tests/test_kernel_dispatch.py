@@ -189,6 +189,37 @@ def test_sizes_past_the_kernels_limits_go_to_cublas(monkeypatch):
     assert not twell_mlp.call_plan(twell_mlp.MAX_CHUNKED_ROWS + 1, 5632, 2048, device).cuda.chunked
 
 
+def test_step_by_step_path_refuses_sizes_past_the_kernels_limits_before_any_kernel(monkeypatch):
+    """Called directly past the limits (the op itself routes such calls to cuBLAS first), the
+    step-by-step path raises a twell error naming the sizes, before it allocates or launches anything:
+    the sparse launch would otherwise fail with CUDA's bare "invalid argument"."""
+    import types
+
+    from twell_compile.kernels import build
+
+    launched = []
+
+    class Extension:
+        MlpPlan = types.SimpleNamespace
+
+        def sparse_mlp_fits(self, n_tiles, d):
+            return n_tiles <= 50_000
+
+        def __getattr__(self, name):
+            return lambda *args: launched.append(name)
+
+    monkeypatch.setattr(build, "cuda_extension", lambda: Extension())
+    monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
+    f = 50_000 * 64 + 1
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    weight, down = torch.randn(f, 8, dtype=torch.bfloat16), torch.randn(8, f, dtype=torch.bfloat16)
+    for up in (weight, None):
+        with pytest.raises(ValueError, match=rf"twell: a call of 3 rows, {f} intermediate and 8 output features "
+                                             r"is past the TwELL kernels' limits"):
+            twell_mlp._twell_mlp_general(x, weight, None, up, None, down, None)
+    assert launched == []
+
+
 def test_chunked_calls_decide_on_the_device_at_their_own_density(monkeypatch):
     """A chunked call's kernel gets the chunked density (1.8%) and the heavy-row limit; what the call
     returns for statistics is the kernel's decision per block (1: dense), which block_dense reads with
