@@ -191,7 +191,7 @@ def test_sizes_past_the_kernels_limits_go_to_cublas(monkeypatch):
 
 def test_step_by_step_path_refuses_sizes_past_the_kernels_limits_before_any_kernel(monkeypatch):
     """Called directly past the limits (the op itself routes such calls to cuBLAS first), the
-    step-by-step path raises a twell error naming the sizes, before it allocates or launches anything:
+    step-by-step path raises a twell error naming the sizes, before it allocates its buffers or launches anything:
     the sparse launch would otherwise fail with CUDA's bare "invalid argument"."""
     import types
 
