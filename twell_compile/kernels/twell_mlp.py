@@ -861,16 +861,16 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
     m, k = x2.shape
     f = act_weight.shape[0]
     d = down_weight.shape[0]
+    if not _kernels_fit(m, f, d):  # the op sends such calls to cuBLAS (_make_call_plan) before this point
+        raise ValueError(f"twell: a call of {m} rows, {f} intermediate and {d} output features is past the TwELL "
+                         "kernels' limits (on rows, on output features, or on the intermediate size, whose "
+                         "tiles the sparse kernel's shared memory holds); twell_mlp runs such calls on cuBLAS")
+    out = _buffer((m, d), x2.dtype, x2.device)
     act_weight, act_bias, up_weight, up_bias, down_bias = map(_contig, (act_weight, act_bias, up_weight, up_bias, down_bias))
     # W_down^T is cached for the caller's weight: a contiguous copy made here would be a new weight to
     # the cache at every call (and, under inference_mode, an inference tensor it cannot cache).
     w_down_t = DOWN_WEIGHT_T.get(down_weight)
     down_weight = down_weight.contiguous()
-    if not _kernels_fit(m, f, d):  # the op sends such calls to cuBLAS (_make_call_plan) before this point
-        raise ValueError(f"twell: a call of {m} rows, {f} intermediate and {d} output features is past the TwELL "
-                         "kernels' limits (the sparse kernel's shared memory holds an offset per tile of the "
-                         "intermediate size); twell_mlp runs such calls on cuBLAS")
-    out = _buffer((m, d), x2.dtype, x2.device)
 
     wgmma_ok = _wgmma_ok(x2, act_weight)
     plan = gate_plan(m, wgmma_ok)
