@@ -172,6 +172,8 @@ def test_sizes_past_the_kernels_limits_go_to_cublas(monkeypatch):
         assert not twell_mlp.call_plan(m, 5632, 2048, device).cublas
         assert twell_mlp.call_plan(m, 50_000 * 64 + 1, 2048, device).cublas
         assert twell_mlp.call_plan(m, 50_000 * 64 + 1, 2048, device).cuda is None
+        assert not twell_mlp.call_plan(m, 50_000 * 64 + 1, 2048, device).kernels_fit  # (the step-by-step path's check)
+        assert twell_mlp.call_plan(m, 5632, 2048, device).kernels_fit
     assert (88, 2048) in asked and (50_001, 2048) in asked  # ceil(F / 64) tiles
     monkeypatch.setattr(twell_mlp, "_GATE_PLAN_OVERRIDE", "64,32,128,8,4,4")  # 32-column tiles
     monkeypatch.setattr(twell_mlp, "_PLANS", {})
@@ -207,6 +209,7 @@ def test_step_by_step_path_refuses_sizes_past_the_kernels_limits_before_any_kern
 
     monkeypatch.setattr(build, "cuda_extension", lambda: Extension())
     monkeypatch.setattr(twell_mlp, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(twell_mlp, "_PLANS", {})
     f = 50 * 64 + 1  # 51 tiles of the narrowest gate tile
     x = torch.zeros(3, 8, dtype=torch.bfloat16)
     weight, down = torch.zeros(f, 8, dtype=torch.bfloat16), torch.zeros(8, f, dtype=torch.bfloat16)

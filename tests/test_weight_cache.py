@@ -93,13 +93,15 @@ def test_a_strided_w_down_is_cached_as_given(monkeypatch, inference):
     """The step-by-step path makes W_down contiguous for its kernels, but caches W_down^T for the
     caller's weight: a copy made per call would miss every time (and be an inference tensor under
     inference_mode, which the cache refuses with a warning)."""
+    import types
     import warnings
 
     from twell_compile.kernels import twell_mlp
 
     fetched = []
     monkeypatch.setattr(twell_mlp.DOWN_WEIGHT_T, "get", lambda weight: fetched.append(weight) or weight.t().contiguous())
-    monkeypatch.setattr(twell_mlp, "_kernels_fit", lambda m, f, d: True)  # (its size check asks the extension)
+    # (its size check reads the call's plan, which asks the extension)
+    monkeypatch.setattr(twell_mlp, "call_plan", lambda *args: types.SimpleNamespace(kernels_fit=True))
     down = torch.randn(64, 32).t()  # [32, 64], not contiguous
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -583,6 +583,7 @@ class CallPlan:
     cublas: bool = False  # the dense MLP through cuBLAS instead of a TwELL path (config.cublas_rows, _kernels_fit)
     route_class: str | None = None  # the size class for routing by density; None: the call is not routed
     route_thresholds: tuple[int, int, int] | None = None  # its reports' dense-block test, if not `thresholds`
+    kernels_fit: bool = True  # within every TwELL kernel's limits (_kernels_fit); if not, `cublas` too
 
     @property
     def report_thresholds(self) -> tuple[int, int, int]:
@@ -610,8 +611,9 @@ def _make_call_plan(m: int, f: int, d: int, device: torch.device) -> CallPlan:
     operands with contiguous 16-byte aligned rows (it checks that per call and declines otherwise):
     the choices the general path below makes, for that case."""
     plan = gate_plan(m, True)
-    if config.cublas_rows[0] <= m <= config.cublas_rows[1] or not _kernels_fit(m, f, d):
-        return CallPlan((0, 0, 0), plan, None, cublas=True)
+    fits = _kernels_fit(m, f, d)
+    if config.cublas_rows[0] <= m <= config.cublas_rows[1] or not fits:
+        return CallPlan((0, 0, 0), plan, None, cublas=True, kernels_fit=fits)
     sms = _num_sms(device)
     launch = sparse_launch(m, d, sms, d % 8 == 0)  # aligned rows: 16-byte rows everywhere but maybe out's
     thresholds = _dense_thresholds(m, f, launch.entry_split)
@@ -861,7 +863,7 @@ def _twell_mlp_general(x2: Tensor, act_weight: Tensor, act_bias: Tensor | None, 
     m, k = x2.shape
     f = act_weight.shape[0]
     d = down_weight.shape[0]
-    if not _kernels_fit(m, f, d):  # the op sends such calls to cuBLAS (_make_call_plan) before this point
+    if not call_plan(m, f, d, x2.device).kernels_fit:  # (the op sends such calls to cuBLAS before this)
         raise ValueError(f"twell: a call of {m} rows, {f} intermediate and {d} output features is past the TwELL "
                          "kernels' limits (on rows, on output features, or on the intermediate size, whose "
                          "tiles the sparse kernel's shared memory holds); twell_mlp runs such calls on cuBLAS")
